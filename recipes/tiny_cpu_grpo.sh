@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Tiny GRPO on CPU: verl's stock trainer, the long-tail arithmetic task, a tiny Qwen2 target,
+# two vLLM rollout replicas (one per trainer rank). `./tlt run` fills MODEL/TRAIN/VAL with the
+# locally prepared assets; any extra argument is one more Hydra override.
+#   MODEL=... TRAIN=... VAL=... bash recipes/tiny_cpu_grpo.sh trainer.total_training_steps=4
+set -euo pipefail
+: "${MODEL:?path of the HF model dir}" "${TRAIN:?train parquet}" "${VAL:?val parquet}"
+: "${STEPS:=12}" "${REWARD_FN:=$(python -c 'import tlt_verl.task.reward as r; print(r.__file__)')}"
+
+exec python -m verl.trainer.main_ppo \
+  algorithm.adv_estimator=grpo \
+  algorithm.use_kl_in_reward=False \
+  data.train_files="$TRAIN" \
+  data.val_files="$VAL" \
+  data.train_batch_size=16 \
+  data.max_prompt_length=512 \
+  data.max_response_length=768 \
+  data.filter_overlong_prompts=True \
+  data.dataloader_num_workers=0 \
+  actor_rollout_ref.model.path="$MODEL" \
+  actor_rollout_ref.model.use_remove_padding=True \
+  actor_rollout_ref.actor.strategy=fsdp2 \
+  actor_rollout_ref.actor.optim.lr=2e-5 \
+  actor_rollout_ref.actor.ppo_mini_batch_size=16 \
+  actor_rollout_ref.actor.use_dynamic_bsz=True \
+  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \
+  actor_rollout_ref.actor.use_kl_loss=False \
+  actor_rollout_ref.actor.entropy_coeff=0 \
+  actor_rollout_ref.actor.fsdp_config.dtype=float32 \
+  actor_rollout_ref.actor.fsdp_config.use_torch_compile=False \
+  actor_rollout_ref.rollout.name=vllm \
+  actor_rollout_ref.rollout.n=4 \
+  actor_rollout_ref.rollout.temperature=1.0 \
+  actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+  actor_rollout_ref.rollout.dtype=float32 \
+  actor_rollout_ref.rollout.load_format=auto \
+  actor_rollout_ref.rollout.max_num_seqs=64 \
+  actor_rollout_ref.rollout.agent.num_workers=2 \
+  actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True \
+  actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=16384 \
+  reward.custom_reward_function.path="$REWARD_FN" \
+  reward.custom_reward_function.name=compute_score \
+  reward.num_workers=1 \
+  trainer.n_gpus_per_node=2 \
+  trainer.nnodes=1 \
+  trainer.total_training_steps="$STEPS" \
+  trainer.total_epochs=100 \
+  trainer.val_before_train=False \
+  trainer.test_freq=-1 \
+  trainer.save_freq=-1 \
+  trainer.logger='[console,file]' \
+  trainer.project_name=tlt \
+  trainer.experiment_name=tiny_cpu_grpo \
+  ray_kwargs.ray_init.num_cpus=16 \
+  transfer_queue.backend.SimpleStorage.num_data_storage_units=2 \
+  "$@"

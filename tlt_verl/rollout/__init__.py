@@ -1,0 +1,1 @@
+"""Adaptive rollout: the vLLM engine wiring (engine/), and later the SD policy and bandit."""

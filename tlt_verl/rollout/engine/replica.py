@@ -1,0 +1,59 @@
+"""verl RolloutReplica that runs one `VllmServer` actor per replica, next to its trainer ranks."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from verl.workers.rollout.replica import RolloutReplica
+
+from tlt_verl.rollout.engine import NAME
+from tlt_verl.rollout.engine.server import VllmServer
+
+
+def server_actor_name(rollout_name: str, replica_rank: int) -> str:
+    # The server adapter inside the trainer's worker finds its server by this name.
+    return f"{rollout_name}_server_{replica_rank}_0"
+
+
+class VllmReplica(RolloutReplica):
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+    async def launch_servers(self):
+        node_id = await self.workers[0].__ray_call__.remote(lambda w: ray.get_runtime_context().get_node_id())
+        name = server_actor_name(self.config.name or NAME, self.replica_rank)
+        server = (
+            ray.remote(VllmServer)
+            .options(
+                name=name,
+                num_cpus=0,
+                max_concurrency=self.max_concurrency,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            )
+            .remote(
+                config=self.config,
+                model_config=self.model_config,
+                replica_rank=self.replica_rank,
+                engine_env=engine_env(self.replica_rank),
+            )
+        )
+        await server.launch.remote()
+        self.servers = [server]
+        self._server_handle = server
+        # A unique key for verl's load balancer; generation goes through the actor handle.
+        self._server_address = name
+
+
+def engine_env(replica_rank: int) -> dict[str, str]:
+    """Environment of a replica's engine process on this host."""
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = sorted(cores)
+    scratch = os.environ.get("TLT_SCRATCH") or os.path.join(tempfile.gettempdir(), f"tlt-vllm-{os.getuid()}")
+    return {
+        # One core per replica: replicas that share cores slow each other's tail down.
+        "VLLM_CPU_OMP_THREADS_BIND": str(cores[replica_rank % len(cores)]),
+        "VLLM_RPC_BASE_PATH": os.path.join(scratch, "rpc"),
+        "VLLM_CACHE_ROOT": os.path.join(scratch, "cache"),
+    }

