@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Tiny GRPO on CPU: verl's stock trainer, the long-tail arithmetic task, a tiny Qwen2 target,
-# two vLLM rollout replicas (one per trainer rank). `./tlt run` fills MODEL/TRAIN/VAL with the
+# two vLLM rollout replicas (one per trainer rank). Notes on the choices:
+#   - fp32 end to end (FSDP mixed precision would otherwise compute in bf16): the engine's
+#     log-probs then match the actor's to ~1e-5;
+#   - micro-batches of <= 2048 tokens: on CPU, sdpa over packed sequences costs O(tokens^2);
+#   - the prompt-affinity router keeps a GRPO group on one replica (one prefix-cache entry). `./tlt run` fills MODEL/TRAIN/VAL with the
 # locally prepared assets; any extra argument is one more Hydra override.
 #   MODEL=... TRAIN=... VAL=... bash recipes/tiny_cpu_grpo.sh trainer.total_training_steps=4
 set -euo pipefail
 : "${MODEL:?path of the HF model dir}" "${TRAIN:?train parquet}" "${VAL:?val parquet}"
-: "${STEPS:=12}" "${REWARD_FN:=$(python -c 'import tlt_verl.task.reward as r; print(r.__file__)')}"
+: "${STEPS:=12}" "${HERE:=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}" "${REWARD_FN:=$(python -c 'import tlt_verl.task.reward as r; print(r.__file__)')}"
 
 exec python -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo \
@@ -14,7 +18,7 @@ exec python -m verl.trainer.main_ppo \
   data.val_files="$VAL" \
   data.train_batch_size=16 \
   data.max_prompt_length=512 \
-  data.max_response_length=768 \
+  data.max_response_length=1024 \
   data.filter_overlong_prompts=True \
   data.dataloader_num_workers=0 \
   actor_rollout_ref.model.path="$MODEL" \
@@ -23,10 +27,11 @@ exec python -m verl.trainer.main_ppo \
   actor_rollout_ref.actor.optim.lr=2e-5 \
   actor_rollout_ref.actor.ppo_mini_batch_size=16 \
   actor_rollout_ref.actor.use_dynamic_bsz=True \
-  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \
+  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048 \
   actor_rollout_ref.actor.use_kl_loss=False \
   actor_rollout_ref.actor.entropy_coeff=0 \
   actor_rollout_ref.actor.fsdp_config.dtype=float32 \
+  +actor_rollout_ref.actor.fsdp_config.mixed_precision='{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}' \
   actor_rollout_ref.actor.fsdp_config.use_torch_compile=False \
   actor_rollout_ref.rollout.name=vllm \
   actor_rollout_ref.rollout.n=4 \
@@ -36,8 +41,9 @@ exec python -m verl.trainer.main_ppo \
   actor_rollout_ref.rollout.load_format=auto \
   actor_rollout_ref.rollout.max_num_seqs=64 \
   actor_rollout_ref.rollout.agent.num_workers=2 \
+  actor_rollout_ref.rollout.router_config_path="$HERE/router_prompt_affinity.yaml" \
   actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True \
-  actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=16384 \
+  actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=2048 \
   reward.custom_reward_function.path="$REWARD_FN" \
   reward.custom_reward_function.name=compute_score \
   reward.num_workers=1 \

@@ -28,6 +28,13 @@ def _prepare(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # The harness lives in bench/ (it is not part of the installed package).
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from bench.run_recipe import main as bench_main
+
+        return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="tlt-verl")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a recipe (default: the tiny CPU GRPO run)")
@@ -36,6 +43,7 @@ def main(argv=None) -> int:
     r.add_argument("--run-dir", default=None)
     r.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. actor_rollout_ref.actor.optim.lr=1e-5")
     r.set_defaults(fn=_run)
+    sub.add_parser("bench", help="run a recipe and write its rollout benchmark (JSON + PNG); see `bench --help`")
     pr = sub.add_parser("prepare", help="build the tokenizer, task data and SFT model (cached)")
     pr.add_argument("--root", default=None)
     pr.add_argument("--force", action="store_true")

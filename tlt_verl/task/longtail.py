@@ -1,10 +1,20 @@
 """Synthetic long-tail arithmetic task.
 
-A problem is a start value and a list of single-digit additions/subtractions. The expected
-response is a worked scratchpad with one line per step, so response length grows linearly with
-the number of steps. The step count follows a truncated, shifted power law: most problems take
-2-4 steps, a few take 30-64, which reproduces the long-tail rollout-length profile of real
-reasoning workloads at a size a tiny model can learn on a CPU.
+A problem is a start value and a list of single-digit additions/subtractions:
+
+    prompt:   Start at 37. Apply the steps in order. 1: +5 2: -3 Give the final value.
+    response: 1: +5 37+5=42
+              2: -3 42-3=39
+              Answer: 39
+
+Each scratchpad line first repeats the step exactly as the prompt writes it ("2: -3"), then does
+the arithmetic. The repeat turns fetching the operand into a plain copy of what follows "2:" in
+the prompt, which a tiny model learns quickly: under the same SFT budget, lines without it
+("2: 42-3=39") gave 16% accuracy at temperature 1 against 47% with it.
+
+The step count is heavy-tailed (a power-law body plus a rare long tail): most problems take 2-4 steps, a few take
+30-64, reproducing the long-tail rollout-length profile of real reasoning workloads at a size a
+tiny model can learn on a CPU.
 """
 from __future__ import annotations
 
@@ -20,11 +30,16 @@ ABILITY = "arithmetic"
 
 MIN_STEPS = 1
 MAX_STEPS = 64
-# P(k) ~ (k + STEP_SHIFT) ** -STEP_ALPHA on 1..MAX_STEPS. The shift flattens the head so the
-# median lands on 3 steps rather than 1; alpha then sets the tail: ~8% of problems have >= 16
-# steps, ~2.5% have >= 32.
+# The step count is a mixture: a body P(k) ~ (k + STEP_SHIFT) ** -STEP_ALPHA on 1..BODY_MAX_STEPS
+# (median 3 steps), and with probability TAIL_PROB a long problem, uniform on
+# TAIL_MIN_STEPS..MAX_STEPS. A gap between the two is what makes the tail a tail: in a batch
+# of prompts most finish quickly and a few run 10-30x longer, so replicas drain at very
+# different times, as in real reasoning rollouts.
 STEP_SHIFT = 3.0
 STEP_ALPHA = 2.4
+BODY_MAX_STEPS = 12
+TAIL_MIN_STEPS = 40
+TAIL_PROB = 0.08
 
 MIN_VALUE = 0
 MAX_VALUE = 99
@@ -36,7 +51,13 @@ ANSWER_PREFIX = "Answer: "
 
 
 def _step_cdf() -> list[float]:
-    weights = [(k + STEP_SHIFT) ** -STEP_ALPHA for k in range(MIN_STEPS, MAX_STEPS + 1)]
+    body = [(k + STEP_SHIFT) ** -STEP_ALPHA if k <= BODY_MAX_STEPS else 0.0 for k in range(MIN_STEPS, MAX_STEPS + 1)]
+    body_total = math.fsum(body)
+    tail_n = MAX_STEPS - TAIL_MIN_STEPS + 1
+    weights = [
+        (1 - TAIL_PROB) * b / body_total + (TAIL_PROB / tail_n if k >= TAIL_MIN_STEPS else 0.0)
+        for k, b in zip(range(MIN_STEPS, MAX_STEPS + 1), body)
+    ]
     total = math.fsum(weights)
     cdf, acc = [], 0.0
     for w in weights:

@@ -47,6 +47,8 @@ def _generator_settings() -> dict:
         "max_steps": longtail.MAX_STEPS,
         "shift": longtail.STEP_SHIFT,
         "alpha": longtail.STEP_ALPHA,
+        "body_max": longtail.BODY_MAX_STEPS,
+        "tail": [longtail.TAIL_MIN_STEPS, longtail.TAIL_PROB],
         "values": [longtail.MIN_VALUE, longtail.MAX_VALUE],
         "max_operand": longtail.MAX_OPERAND,
         "prompt": [longtail.PROMPT_HEADER, longtail.PROMPT_FOOTER, longtail.ANSWER_PREFIX],

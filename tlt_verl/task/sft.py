@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .longtail import generate_problems
+from .longtail import Problem, generate_problems
 from .tiny_model import TinyModelSpec, build_tiny_model, num_parameters
 from .tokenizer import IM_END
 
@@ -21,16 +21,22 @@ IGNORE_INDEX = -100
 @dataclass(frozen=True)
 class SFTConfig:
     budget_s: float = 165.0
-    peak_lr: float = 3e-3
+    # Optional cap on updates; with it (and an ample budget) runs are comparable across
+    # machines and loads, which wall-clock budgets are not.
+    max_steps: int | None = None
+    # Tuned on this task: at 2e-3 and above the model stays on a plateau where it never learns
+    # to copy operands from the prompt within the budget.
+    peak_lr: float = 7e-4
     min_lr_ratio: float = 0.05
     warmup_steps: int = 20
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.98)
     grad_clip: float = 1.0
-    tokens_per_batch: int = 4096
+    # Small batches: within a fixed budget the number of updates matters more than batch noise.
+    tokens_per_batch: int = 1024
     # Fresh problems rather than epochs over the RL train split: the pool is larger than what
     # the budget can consume, so SFT never memorises the prompts RL will be trained on.
-    num_examples: int = 40_000
+    num_examples: int = 24_000
     data_seed: int = 1_000_003
     model_seed: int = 0
     threads: int = 2
@@ -45,9 +51,8 @@ def prompt_text(user_content: str) -> str:
     return f"<|im_start|>user\n{user_content}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def encode_examples(tokenizer, num_examples: int, seed: int) -> list[tuple[list[int], int]]:
+def encode_examples(tokenizer, problems: list[Problem]) -> list[tuple[list[int], int]]:
     """Return (input_ids, prompt_length) pairs; the response ends with <|im_end|>."""
-    problems = list(generate_problems(num_examples, seed))
     check = tokenizer.apply_chat_template(
         [{"role": "user", "content": problems[0].prompt}], add_generation_prompt=True, tokenize=False
     )
@@ -91,12 +96,19 @@ def collate(examples, indices: list[int], pad_id: int):
     return input_ids, labels, attention
 
 
-def lr_at(step: int, elapsed_frac: float, cfg: SFTConfig) -> float:
-    # The cosine runs over wall-clock progress, not steps: the step count a time budget allows
-    # is not known in advance, and this keeps the schedule complete whatever the machine speed.
+def progress(step: int, elapsed_s: float, cfg: SFTConfig) -> float:
+    """Fraction of training done: by wall clock, or by steps when that cap comes first."""
+    frac = elapsed_s / cfg.budget_s
+    if cfg.max_steps:
+        frac = max(frac, step / cfg.max_steps)
+    return min(max(frac, 0.0), 1.0)
+
+
+def lr_at(step: int, frac: float, cfg: SFTConfig) -> float:
+    # The cosine runs over training progress rather than a step count fixed in advance: how
+    # many steps a time budget allows depends on the machine and its load.
     if step < cfg.warmup_steps:
         return cfg.peak_lr * (step + 1) / cfg.warmup_steps
-    frac = min(max(elapsed_frac, 0.0), 1.0)
     cosine = 0.5 * (1.0 + math.cos(math.pi * frac))
     return cfg.peak_lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
@@ -119,7 +131,7 @@ def train_sft(
     log(f"sft: model {num_parameters(model):,} parameters, vocab {model.config.vocab_size}")
 
     t_data = time.perf_counter()
-    examples = encode_examples(tokenizer, cfg.num_examples, cfg.data_seed)
+    examples = encode_examples(tokenizer, list(generate_problems(cfg.num_examples, cfg.data_seed)))
     rng = random.Random(cfg.data_seed)
     log(f"sft: encoded {len(examples):,} examples in {time.perf_counter() - t_data:.1f}s")
 
@@ -133,17 +145,18 @@ def train_sft(
 
     step = seen_tokens = 0
     loss_sum = loss_count = 0.0
+    recent_loss = float("nan")
     epoch = 0
     start = last_log = time.perf_counter()
     done = False
     while not done:
         batches = make_batches(examples, cfg.tokens_per_batch, rng)
         for indices in batches:
-            elapsed = time.perf_counter() - start
-            if elapsed >= cfg.budget_s:
+            frac = progress(step, time.perf_counter() - start, cfg)
+            if frac >= 1.0:
                 done = True
                 break
-            lr = lr_at(step, elapsed / cfg.budget_s, cfg)
+            lr = lr_at(step, frac, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
@@ -166,8 +179,9 @@ def train_sft(
             loss_count += 1
             now = time.perf_counter()
             if now - last_log >= cfg.log_every_s:
+                recent_loss = loss_sum / loss_count
                 log(
-                    f"sft: step {step} epoch {epoch} loss {loss_sum / loss_count:.4f} lr {lr:.2e} "
+                    f"sft: step {step} epoch {epoch} loss {recent_loss:.4f} lr {lr:.2e} "
                     f"tokens/s {seen_tokens / (now - start):,.0f} elapsed {now - start:.0f}s"
                 )
                 loss_sum = loss_count = 0.0
@@ -192,5 +206,5 @@ def train_sft(
         "tokens": seen_tokens,
         "train_s": round(train_s, 1),
         "parameters": num_parameters(model),
-        "final_loss": round(loss_sum / loss_count, 4) if loss_count else None,
+        "final_loss": round(loss_sum / loss_count if loss_count else recent_loss, 4),
     }

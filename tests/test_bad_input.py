@@ -1,0 +1,59 @@
+"""A user's mistake stops `python -m verl.trainer.main_ppo` at start-up with one line naming it."""
+import json
+
+import pandas as pd
+import pytest
+
+from conftest import run_main_ppo
+from tlt_verl.task.longtail import write_parquet
+
+
+@pytest.fixture()
+def inputs(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    train = write_parquet(tmp_path / "train.parquet", 8, 0, "train")
+    return {"model": model, "train": train, "dir": tmp_path}
+
+
+def _args(model, train, *extra):
+    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={train}",
+            "actor_rollout_ref.rollout.name=vllm", *extra]
+
+
+def _one_line_error(out):
+    assert out.returncode != 0
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("tlt-verl:")]
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    return lines[0]
+
+
+def test_missing_model_path(inputs):
+    out = run_main_ppo(_args(inputs["dir"] / "nope", inputs["train"]), cwd=inputs["dir"], timeout=120)
+    line = _one_line_error(out)
+    assert "actor_rollout_ref.model.path=" in line and "no such model directory" in line
+
+
+def test_gpu_only_option_on_cpu(inputs):
+    out = run_main_ppo(_args(inputs["model"], inputs["train"], "actor_rollout_ref.actor.strategy=fsdp"),
+                       cwd=inputs["dir"], timeout=120)
+    line = _one_line_error(out)
+    assert "actor_rollout_ref.actor.strategy=fsdp needs a GPU" in line and "fsdp2" in line
+
+
+def test_malformed_dataset_row(inputs):
+    bad = inputs["dir"] / "bad.parquet"
+    df = pd.read_parquet(inputs["train"])
+    df.at[5, "prompt"] = []  # an empty conversation
+    df.to_parquet(bad)
+    out = run_main_ppo(_args(inputs["model"], bad), cwd=inputs["dir"], timeout=120)
+    line = _one_line_error(out)
+    assert "data.train_files" in line and "bad.parquet row 5" in line and "'prompt'" in line
+
+
+def test_missing_dataset_file(inputs):
+    out = run_main_ppo(_args(inputs["model"], inputs["dir"] / "missing.parquet"), cwd=inputs["dir"], timeout=120)
+    line = _one_line_error(out)
+    assert "data.train_files: no such file" in line

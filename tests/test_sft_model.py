@@ -1,0 +1,50 @@
+"""The SFT target follows the task's format and keeps its long tail when sampled by vLLM."""
+import numpy as np
+import pandas as pd
+import pytest
+
+from tlt_verl.task.reward import compute_score
+
+pytestmark = pytest.mark.slow
+
+
+def _spearman(a, b):
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+@pytest.fixture(scope="module")
+def samples(assets):
+    from tlt_verl.rollout.engine.offline import offline_llm
+
+    from vllm import SamplingParams
+
+    rows = pd.read_parquet(assets["val"])
+    llm = offline_llm(str(assets["model"]), max_model_len=2048)
+    try:
+        tok = llm.get_tokenizer()
+        prompts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False) for p in rows["prompt"]]
+        params = [SamplingParams(temperature=1.0, max_tokens=1024, seed=1000 + i) for i in range(len(prompts))]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return rows, [o.outputs[0] for o in outs]
+
+
+def test_format_and_partial_accuracy(samples):
+    rows, outs = samples
+    scores = [compute_score("tlt_longtail", o.text, r["ground_truth"])["score"]
+              for o, r in zip(outs, rows["reward_model"])]
+    well_formed = np.mean([s > -1 for s in scores])
+    accuracy = np.mean([s == 1.0 for s in scores])
+    assert well_formed >= 0.9, well_formed
+    assert 0.1 <= accuracy <= 0.9, accuracy  # right part of the time: room for RL
+
+
+def test_response_lengths_long_tailed_like_the_data(samples):
+    rows, outs = samples
+    gen = np.array([len(o.token_ids) for o in outs])
+    steps = np.array([e["num_steps"] for e in rows["extra_info"]])
+    assert _spearman(gen, steps) > 0.9  # it stops after the right number of steps
+    p50, p90 = np.percentile(gen, [50, 90])
+    assert p90 / p50 >= 3 and gen.max() / p50 >= 10, (p50, p90, gen.max())

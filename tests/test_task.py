@@ -1,0 +1,313 @@
+"""Tests for the synthetic long-tail task (generator, reward, tokenizer, parquet, prepare caching).
+
+No SFT training happens here; prepare's caching is tested with a stand-in trainer.
+"""
+import json
+import random
+import statistics
+
+import pandas as pd
+import pytest
+
+from tlt_verl.task import longtail, prepare as prepare_mod, reward, sft, tiny_model, tokenizer as tok_mod
+from tlt_verl.task.longtail import generate_problems, make_problem, read_rows, sample_num_steps, write_parquet
+from tlt_verl.task.reward import compute_score
+
+N_SAMPLES = 4000
+SEED = 20240611
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory):
+    return tok_mod.build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return list(generate_problems(N_SAMPLES, SEED))
+
+
+def _quantile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# --- generator -------------------------------------------------------------------------------
+
+
+def test_step_distribution_is_a_power_law_body_with_a_rare_long_tail():
+    probs = longtail.step_probabilities()
+    body, tail = longtail.BODY_MAX_STEPS, longtail.TAIL_MIN_STEPS
+    assert len(probs) == longtail.MAX_STEPS == 64
+    assert sum(probs) == pytest.approx(1.0)
+    assert all(a > b for a, b in zip(probs[:body], probs[1:body])), "the body must decrease with the step count"
+    assert sum(probs[body:tail - 1]) == 0, "a gap separates the body from the tail"
+    assert sum(probs[tail - 1:]) == pytest.approx(longtail.TAIL_PROB)
+    assert probs[-1] > 0, "64 steps must be reachable"
+
+
+def test_step_counts_are_heavy_tailed(problems):
+    steps = [p.num_steps for p in problems]
+    assert 2 <= statistics.median(steps) <= 4
+    assert 0.05 <= sum(k >= 16 for k in steps) / len(steps) <= 0.10
+    assert 1 <= min(steps) and max(steps) <= 64
+    assert max(steps) >= 40, "a few thousand samples should reach deep into the tail"
+
+
+def test_sampling_is_deterministic():
+    a = [sample_num_steps(random.Random(7)) for _ in range(3)]
+    b = [sample_num_steps(random.Random(7)) for _ in range(3)]
+    assert a == b
+    assert [p.prompt for p in generate_problems(20, 3)] == [p.prompt for p in generate_problems(20, 3)]
+
+
+def test_response_token_lengths_are_heavy_tailed(problems, hf_tokenizer):
+    lengths = [len(hf_tokenizer.encode(p.solution + tok_mod.IM_END, add_special_tokens=False)) for p in problems]
+    p50, p90 = _quantile(lengths, 0.5), _quantile(lengths, 0.9)
+    assert p90 / p50 >= 3
+    assert 10 <= max(lengths) / p50 <= 30
+    longest = make_problem(random.Random(0), num_steps=64)
+    assert 10 <= len(hf_tokenizer.encode(longest.solution, add_special_tokens=False)) / p50 <= 30
+
+
+def test_problem_is_consistent_and_in_range(problems):
+    for p in problems[:500]:
+        lines = p.solution.split("\n")
+        assert len(lines) == p.num_steps + 1
+        assert lines[-1] == f"Answer: {p.answer}"
+        assert p.prompt.startswith(f"Start at {p.start}. ") and p.prompt.endswith("Give the final value.")
+        value = p.start
+        for i, (line, op) in enumerate(zip(lines, p.operands), 1):
+            assert 1 <= abs(op) <= 9
+            assert f"{i}: {op:+d}" in p.prompt
+            new = value + op
+            assert 0 <= new <= 99
+            assert line == f"{i}: {op:+d} {value}{op:+d}={new}"
+            value = new
+        assert value == p.answer
+
+
+def test_make_problem_fixed_steps_and_bounds():
+    p = make_problem(random.Random(1), num_steps=5)
+    assert p.num_steps == 5 and p.solution.count("\n") == 5
+    with pytest.raises(ValueError):
+        make_problem(random.Random(1), num_steps=65)
+    with pytest.raises(ValueError):
+        make_problem(random.Random(1), num_steps=0)
+
+
+# --- reward ----------------------------------------------------------------------------------
+
+SCRATCH = "1: +5 37+5=42\n2: -3 42-3=39\n"
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        SCRATCH + "Answer: 39",
+        SCRATCH + "Answer: 39<|im_end|>",
+        SCRATCH + "Answer: 39\n",
+        SCRATCH + "Answer: 39 <|im_end|>\n",
+        SCRATCH + "Answer: 39<|im_end|><|endoftext|>",
+        "Answer:39",
+    ],
+)
+def test_reward_correct(response):
+    assert compute_score("tlt_longtail", response, "39") == {"score": 1.0, "acc": 1.0, "format_ok": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("response", "truth"),
+    [
+        (SCRATCH + "Answer: 40", "39"),
+        (SCRATCH + "Answer: 3<|im_end|>", "39"),
+        (SCRATCH + "Answer: -39", "39"),
+        ("Answer: 0", 7),
+    ],
+)
+def test_reward_wrong(response, truth):
+    assert compute_score("tlt_longtail", response, truth) == {"score": 0.0, "acc": 0.0, "format_ok": 1.0}
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "",
+        "<|im_end|>",
+        SCRATCH,  # truncated before the answer
+        SCRATCH + "Answer:",
+        SCRATCH + "Answer: 39x",
+        SCRATCH + "Answer: 39\n3: +1 39+1=40",  # kept going after answering
+        SCRATCH + "The answer is 39",
+    ],
+)
+def test_reward_malformed(response):
+    assert compute_score("tlt_longtail", response, "39") == {"score": -1.0, "acc": 0.0, "format_ok": 0.0}
+
+
+def test_reward_constants_and_bad_truth():
+    assert (reward.CORRECT_SCORE, reward.WRONG_SCORE, reward.MALFORMED_SCORE) == (1.0, 0.0, -1.0)
+    assert compute_score("x", "Answer: 5", "5", extra_info={"index": 1}, unused=True)["score"] == 1.0
+    with pytest.raises(ValueError, match="ground_truth"):
+        compute_score("tlt_longtail", "Answer: 5", "five")
+
+
+def test_reward_on_generated_solutions(problems):
+    for p in problems[:200]:
+        assert compute_score(longtail.DATA_SOURCE, p.solution, str(p.answer))["score"] == 1.0
+        assert compute_score(longtail.DATA_SOURCE, p.solution, str(p.answer + 1))["score"] == 0.0
+
+
+# --- tokenizer -------------------------------------------------------------------------------
+
+
+def test_tokenizer_loads_as_qwen2(hf_tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    hf_tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(loaded).__name__ == "Qwen2Tokenizer"
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "Qwen2Tokenizer"
+    assert loaded.eos_token == "<|im_end|>" and loaded.pad_token == "<|endoftext|>"
+    assert loaded.eos_token_id != loaded.pad_token_id
+    assert 256 < len(loaded) <= tok_mod.TARGET_VOCAB_SIZE
+
+
+def test_tokenizer_round_trip_and_single_tokens(hf_tokenizer, problems):
+    for p in problems[:200]:
+        text = sft.prompt_text(p.prompt) + p.solution + tok_mod.IM_END
+        ids = hf_tokenizer.encode(text, add_special_tokens=False)
+        assert hf_tokenizer.decode(ids) == text
+    assert len(hf_tokenizer.encode("\n", add_special_tokens=False)) == 1
+    assert len(hf_tokenizer.encode("1234567890", add_special_tokens=False)) == 10
+    for special in tok_mod.SPECIAL_TOKENS:
+        assert len(hf_tokenizer.encode(special, add_special_tokens=False)) == 1
+    assert hf_tokenizer.decode(hf_tokenizer.encode("héllo wörld ✓", add_special_tokens=False)) == "héllo wörld ✓"
+
+
+def test_chat_template(hf_tokenizer):
+    messages = [{"role": "user", "content": "Start at 3. Apply the steps in order. 1: +2 Give the final value."}]
+    text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == sft.prompt_text(messages[0]["content"])
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+# --- parquet ---------------------------------------------------------------------------------
+
+
+def test_parquet_rows_are_in_verl_format(tmp_path):
+    path = write_parquet(tmp_path / "train.parquet", n=50, seed=5, split="train")
+    rows = read_rows(path)
+    assert len(rows) == 50
+    expected = list(generate_problems(50, 5))
+    for i, (row, p) in enumerate(zip(rows, expected)):
+        assert row["data_source"] == longtail.DATA_SOURCE
+        assert row["prompt"] == [{"role": "user", "content": p.prompt}]
+        assert row["ability"] == "arithmetic"
+        assert row["reward_model"] == {"style": "rule", "ground_truth": str(p.answer)}
+        assert row["extra_info"] == {"split": "train", "index": i, "num_steps": p.num_steps}
+    assert list(pd.read_parquet(path).columns) == list(longtail.REQUIRED_COLUMNS)
+
+
+def _write_rows(path, rows):
+    pd.DataFrame(rows).to_parquet(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("column", "bad_value"),
+    [
+        ("prompt", []),
+        ("prompt", [{"role": "user"}]),
+        ("reward_model", {"style": "rule", "ground_truth": "forty"}),
+        ("data_source", ""),
+        ("extra_info", None),
+    ],
+)
+def test_malformed_row_names_file_row_and_column(tmp_path, column, bad_value):
+    rows = [longtail.to_row(p, "train", i) for i, p in enumerate(generate_problems(6, 1))]
+    rows[4][column] = bad_value
+    path = _write_rows(tmp_path / "bad.parquet", rows)
+    with pytest.raises(ValueError) as info:
+        read_rows(path)
+    message = str(info.value)
+    assert str(path) in message and "row 4" in message and f"'{column}'" in message
+    assert "\n" not in message
+
+
+def test_missing_column_and_unreadable_file(tmp_path):
+    rows = [longtail.to_row(p, "train", i) for i, p in enumerate(generate_problems(3, 1))]
+    for row in rows:
+        del row["reward_model"]
+    path = _write_rows(tmp_path / "nocol.parquet", rows)
+    with pytest.raises(ValueError, match=r"nocol\.parquet: row 0: missing column 'reward_model'"):
+        read_rows(path)
+    junk = tmp_path / "junk.parquet"
+    junk.write_text("not parquet")
+    with pytest.raises(ValueError, match="junk.parquet: cannot read as parquet") as info:
+        read_rows(junk)
+    assert "\n" not in str(info.value)
+
+
+# --- model and SFT data ------------------------------------------------------------------------
+
+
+def test_tiny_model_config(hf_tokenizer):
+    spec = tiny_model.TinyModelSpec()
+    config = tiny_model.tiny_qwen2_config(hf_tokenizer, spec)
+    assert config.model_type == "qwen2"
+    assert config.hidden_size // config.num_attention_heads in (32, 64)
+    assert config.vocab_size >= len(hf_tokenizer) and config.vocab_size % 64 == 0
+    assert config.tie_word_embeddings is False and config.max_position_embeddings == 2048
+    assert config.eos_token_id == hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(ValueError, match="head_dim"):
+        tiny_model.tiny_qwen2_config(hf_tokenizer, tiny_model.TinyModelSpec(num_attention_heads=1))
+
+
+def test_sft_labels_cover_response_and_im_end(hf_tokenizer):
+    examples = sft.encode_examples(hf_tokenizer, list(generate_problems(40, 3)))
+    batches = sft.make_batches(examples, tokens_per_batch=512, rng=random.Random(0))
+    assert sorted(i for b in batches for i in b) == list(range(40))
+    input_ids, labels, attention = sft.collate(examples, batches[0], hf_tokenizer.pad_token_id)
+    im_end = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for row, i in enumerate(batches[0]):
+        ids, prompt_len = examples[i]
+        assert (labels[row, :prompt_len] == sft.IGNORE_INDEX).all()
+        assert labels[row, prompt_len : len(ids)].tolist() == ids[prompt_len:]
+        assert ids[-1] == im_end and attention[row].sum() == len(ids)
+        assert hf_tokenizer.decode(ids[prompt_len:]).startswith("1: ")
+
+
+# --- prepare caching (with a stand-in for SFT) -----------------------------------------------------
+
+
+def test_prepare_builds_once_then_caches(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_train_sft(tokenizer, out_dir, cfg, spec, log=print):
+        calls.append(out_dir)
+        (out_dir / "config.json").write_text("{}")
+        return {"steps": 0}
+
+    monkeypatch.setattr(prepare_mod, "train_sft", fake_train_sft)
+    settings = prepare_mod.PrepareSettings(n_train=32, n_val=8)
+    quiet = lambda *_: None
+
+    paths = prepare_mod.prepare(tmp_path, settings=settings, log=quiet)
+    assert {s["status"] for s in paths["report"].values()} == {"built"}
+    assert len(read_rows(paths["train"])) == 32 and len(read_rows(paths["val"])) == 8
+    assert (paths["model"] / "config.json").exists() and len(calls) == 1
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir()), "temporary directories left behind"
+
+    again = prepare_mod.prepare(tmp_path, settings=settings, log=quiet)
+    assert {s["status"] for s in again["report"].values()} == {"cached"} and len(calls) == 1
+
+    changed = prepare_mod.PrepareSettings(n_train=32, n_val=8, sft=sft.SFTConfig(budget_s=1.0))
+    third = prepare_mod.prepare(tmp_path, settings=changed, log=quiet)
+    statuses = {name: s["status"] for name, s in third["report"].items()}
+    assert statuses == {"tokenizer": "cached", "data": "cached", "model": "built"} and len(calls) == 2
+
+    forced = prepare_mod.prepare(tmp_path, force=True, settings=changed, log=quiet)
+    assert {s["status"] for s in forced["report"].values()} == {"built"} and len(calls) == 3
