@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Tiny GRPO on CPU: verl's stock trainer, the long-tail arithmetic task, a tiny Qwen2 target,
-# two vLLM rollout replicas (one per trainer rank). Notes on the choices:
+# four vLLM rollout replicas (one per trainer rank, two per core). `./tlt run` fills MODEL/TRAIN/VAL with the
+# locally prepared assets; any extra argument is one more Hydra override. Choices:
 #   - fp32 end to end (FSDP mixed precision would otherwise compute in bf16): the engine's
 #     log-probs then match the actor's to ~1e-5;
 #   - micro-batches of <= 2048 tokens: on CPU, sdpa over packed sequences costs O(tokens^2);
-#   - the prompt-affinity router keeps a GRPO group on one replica (one prefix-cache entry). `./tlt run` fills MODEL/TRAIN/VAL with the
-# locally prepared assets; any extra argument is one more Hydra override.
+#   - the prompt-affinity router keeps a GRPO group on one replica (one prefix-cache entry);
+#   - bypass mode takes the engine's log-probs as the old log-probs instead of recomputing
+#     them: exact here, since they equal the actor's (tests/test_grpo_e2e.py checks it).
 #   MODEL=... TRAIN=... VAL=... bash recipes/tiny_cpu_grpo.sh trainer.total_training_steps=4
 set -euo pipefail
 : "${MODEL:?path of the HF model dir}" "${TRAIN:?train parquet}" "${VAL:?val parquet}"
-: "${STEPS:=12}" "${HERE:=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}" "${REWARD_FN:=$(python -c 'import tlt_verl.task.reward as r; print(r.__file__)')}"
+: "${STEPS:=14}" "${HERE:=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}" "${REWARD_FN:=$(python -c 'import tlt_verl.task.reward as r; print(r.__file__)')}"
 
 exec python -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo \
   algorithm.use_kl_in_reward=False \
+  algorithm.rollout_correction.bypass_mode=True \
   data.train_files="$TRAIN" \
   data.val_files="$VAL" \
   data.train_batch_size=16 \
@@ -24,7 +27,7 @@ exec python -m verl.trainer.main_ppo \
   actor_rollout_ref.model.path="$MODEL" \
   actor_rollout_ref.model.use_remove_padding=True \
   actor_rollout_ref.actor.strategy=fsdp2 \
-  actor_rollout_ref.actor.optim.lr=2e-5 \
+  actor_rollout_ref.actor.optim.lr=3e-5 \
   actor_rollout_ref.actor.ppo_mini_batch_size=16 \
   actor_rollout_ref.actor.use_dynamic_bsz=True \
   actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048 \
@@ -47,7 +50,7 @@ exec python -m verl.trainer.main_ppo \
   reward.custom_reward_function.path="$REWARD_FN" \
   reward.custom_reward_function.name=compute_score \
   reward.num_workers=1 \
-  trainer.n_gpus_per_node=2 \
+  trainer.n_gpus_per_node=4 \
   trainer.nnodes=1 \
   trainer.total_training_steps="$STEPS" \
   trainer.total_epochs=100 \

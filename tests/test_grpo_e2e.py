@@ -11,7 +11,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def two_steps(assets, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("grpo2")
-    result = run(RunConfig(steps=2, run_dir=run_dir, quiet=True, assets_root=assets["root"]))
+    # Recompute the old log-probs with the actor (the recipe's bypass mode would reuse the
+    # engine's): verl then reports how far the engine's log-probs are from the actor's.
+    result = run(RunConfig(steps=2, run_dir=run_dir, quiet=True, assets_root=assets["root"],
+                           overrides=["algorithm.rollout_correction.bypass_mode=False"]))
     metrics = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         d = json.loads(line)
@@ -22,7 +25,7 @@ def two_steps(assets, tmp_path_factory):
 def test_two_steps_complete(two_steps):
     result, metrics = two_steps
     assert sorted(metrics) == [1, 2]
-    assert result["summary"]["replicas"] == 2
+    assert result["summary"]["replicas"] >= 2
     for s in result["steps"]:
         assert s["gen_s"] > 0 and s["step_s"] >= s["gen_s"]
         assert s["response_length"]["max"] >= s["response_length"]["p50"] > 0

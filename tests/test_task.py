@@ -113,20 +113,28 @@ SCRATCH = "1: +5 37+5=42\n2: -3 42-3=39\n"
     ],
 )
 def test_reward_correct(response):
-    assert compute_score("tlt_longtail", response, "39") == {"score": 1.0, "acc": 1.0, "format_ok": 1.0}
+    out = compute_score("tlt_longtail", response, "39")
+    assert (out["score"], out["acc"], out["format_ok"]) == (1.0, 1.0, 1.0)
 
 
 @pytest.mark.parametrize(
-    ("response", "truth"),
+    ("response", "truth", "steps_ok"),
     [
-        (SCRATCH + "Answer: 40", "39"),
-        (SCRATCH + "Answer: 3<|im_end|>", "39"),
-        (SCRATCH + "Answer: -39", "39"),
-        ("Answer: 0", 7),
+        (SCRATCH + "Answer: 40", "39", 2 / 2),  # both worked lines right, final line wrong
+        (SCRATCH + "Answer: 3<|im_end|>", "39", 2 / 2),
+        ("1: +5 37+5=43\n2: -3 43-3=40\nAnswer: 40", "39", 1 / 2),  # arithmetic slip in line 1
+        ("1: +5 37+5=42\n2: -3 41-3=38\nAnswer: 38", "39", 1 / 2),  # line 2 does not chain
+        ("1: +5 37+5=42\n3: -3 42-3=39\nAnswer: 40", "39", 1 / 2),  # misnumbered
+        ("1: +5 37+5=42\nAnswer: 42", "39", 1 / 2),  # a step skipped (2 expected)
+        ("Answer: 0", 7, 0.0),
     ],
 )
-def test_reward_wrong(response, truth):
-    assert compute_score("tlt_longtail", response, truth) == {"score": 0.0, "acc": 0.0, "format_ok": 1.0}
+def test_reward_wrong_gets_partial_credit_for_right_lines(response, truth, steps_ok):
+    out = compute_score("tlt_longtail", response, truth, extra_info={"num_steps": 2})
+    assert (out["acc"], out["format_ok"]) == (0.0, 1.0)
+    assert out["step_acc"] == pytest.approx(steps_ok)
+    assert out["score"] == pytest.approx(reward.WRONG_SCORE + reward.PARTIAL_CREDIT * steps_ok)
+    assert out["score"] < reward.CORRECT_SCORE
 
 
 @pytest.mark.parametrize(
@@ -155,7 +163,8 @@ def test_reward_constants_and_bad_truth():
 def test_reward_on_generated_solutions(problems):
     for p in problems[:200]:
         assert compute_score(longtail.DATA_SOURCE, p.solution, str(p.answer))["score"] == 1.0
-        assert compute_score(longtail.DATA_SOURCE, p.solution, str(p.answer + 1))["score"] == 0.0
+        wrong = compute_score(longtail.DATA_SOURCE, p.solution, str(p.answer + 1), extra_info={"num_steps": p.num_steps})
+        assert wrong["acc"] == 0.0 and wrong["step_acc"] == 1.0
 
 
 # --- tokenizer -------------------------------------------------------------------------------
@@ -311,3 +320,15 @@ def test_prepare_builds_once_then_caches(tmp_path, monkeypatch):
 
     forced = prepare_mod.prepare(tmp_path, force=True, settings=changed, log=quiet)
     assert {s["status"] for s in forced["report"].values()} == {"built"} and len(calls) == 3
+
+
+def test_sft_schedule_follows_time_or_step_cap():
+    cfg = sft.SFTConfig(budget_s=100.0, warmup_steps=10, peak_lr=1e-3, min_lr_ratio=0.1)
+    assert sft.lr_at(0, 0.0, cfg) == pytest.approx(1e-4)
+    assert sft.lr_at(50, 0.0, cfg) == pytest.approx(1e-3)
+    assert sft.lr_at(50, 0.5, cfg) == pytest.approx(0.55e-3)
+    assert sft.lr_at(50, 1.0, cfg) == pytest.approx(1e-4)
+    assert sft.progress(0, 50.0, cfg) == pytest.approx(0.5)
+    capped = sft.SFTConfig(budget_s=100.0, max_steps=40)
+    assert sft.progress(30, 10.0, capped) == pytest.approx(0.75)
+    assert sft.progress(40, 10.0, capped) == 1.0

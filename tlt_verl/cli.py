@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a recipe (default: the tiny CPU GRPO run)")
     r.add_argument("--recipe", default="tiny_cpu_grpo", help="recipe name in recipes/ or a path")
-    r.add_argument("--steps", type=int, default=12)
+    r.add_argument("--steps", type=int, default=14)
     r.add_argument("--run-dir", default=None)
     r.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. actor_rollout_ref.actor.optim.lr=1e-5")
     r.set_defaults(fn=_run)

@@ -32,7 +32,7 @@ class RunError(RuntimeError):
 @dataclass
 class RunConfig:
     recipe: str = "tiny_cpu_grpo"
-    steps: int = 12
+    steps: int = 14
     run_dir: Optional[Path] = None
     overrides: list[str] = field(default_factory=list)
     assets_root: Path = DEFAULT_HOME / "assets"
