@@ -37,7 +37,7 @@ def plot_timeline(events: list[dict], out: Path) -> None:
     windows = timeline.rollout_windows(events)
     reps = timeline.replicas(events)
     t0 = min(w.start for w in windows.values())
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * len(reps)))
+    fig, ax = plt.subplots(figsize=(11, 1.8 + 0.6 * len(reps)))
     for w in windows.values():
         for i, r in enumerate(reps):
             last = w.replica_last_end.get(r, w.start)
@@ -47,7 +47,8 @@ def plot_timeline(events: list[dict], out: Path) -> None:
     ax.set_yticks(range(len(reps)), [f"replica {r}" for r in reps])
     ax.set_xlabel("seconds since the first rollout (grey lines: rollout starts)")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color="tab:blue"), plt.Rectangle((0, 0), 1, 1, color="tab:orange")],
-              labels=["generating", "drained, waiting for the long tail"], loc="upper right", fontsize=8)
+              labels=["generating", "drained, waiting for the long tail"], loc="upper center",
+              bbox_to_anchor=(0.5, -0.32), ncol=2, fontsize=8, frameon=False)
     ax.set_title("Rollout timeline per replica")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -60,12 +61,19 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="bench/results/baseline.json")
     p.add_argument("--run-dir", default=None)
+    p.add_argument("--from-run", default=None, help="analyse a finished run's folder instead of running")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = run(RunConfig(recipe=args.recipe, steps=args.steps, overrides=args.overrides,
-                           run_dir=Path(args.run_dir) if args.run_dir else None))
+    if args.from_run:
+        steps_json = Path(args.from_run) / "steps.json"
+        if not steps_json.exists():
+            p.error(f"--from-run {args.from_run}: no steps.json there (did the run finish?)")
+        result = json.loads(steps_json.read_text())
+    else:
+        result = run(RunConfig(recipe=args.recipe, steps=args.steps, overrides=args.overrides,
+                               run_dir=Path(args.run_dir) if args.run_dir else None))
     events = timeline.load_events(Path(result["summary"]["run_dir"]) / "timeline")
     # Step 1 carries the engines' warm-up; the distribution is over all steps.
     report = {
