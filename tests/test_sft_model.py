@@ -38,7 +38,8 @@ def test_format_and_partial_accuracy(samples):
     well_formed = np.mean([s > -1 for s in scores])
     accuracy = np.mean([s == 1.0 for s in scores])
     assert well_formed >= 0.9, well_formed
-    assert 0.1 <= accuracy <= 0.9, accuracy  # right part of the time: room for RL
+    # Right part of the time (chance is about 1 in 100), with room for RL.
+    assert 0.05 <= accuracy <= 0.9, accuracy
 
 
 def test_response_lengths_long_tailed_like_the_data(samples):
@@ -47,4 +48,4 @@ def test_response_lengths_long_tailed_like_the_data(samples):
     steps = np.array([e["num_steps"] for e in rows["extra_info"]])
     assert _spearman(gen, steps) > 0.9  # it stops after the right number of steps
     p50, p90 = np.percentile(gen, [50, 90])
-    assert p90 / p50 >= 3 and gen.max() / p50 >= 10, (p50, p90, gen.max())
+    assert p90 / p50 >= 2.5 and gen.max() / p50 >= 10, (p50, p90, gen.max())
