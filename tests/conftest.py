@@ -29,8 +29,9 @@ def run_main_ppo(args, cwd, env_extra=None, timeout=900):
     )
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_ray():
+@pytest.fixture(scope="module")
+def no_leftover_ray():
+    """For modules that start Ray: a failed run must not leave a cluster behind for the next."""
     yield
     if shutil.which("ray"):
         subprocess.run(["ray", "stop", "--force"], capture_output=True)

@@ -5,7 +5,7 @@ import pytest
 
 from tlt_verl.launch.runner import RunConfig, run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_ray")]
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ def test_plugin_in_driver(monkeypatch):
     assert wrapped == "True"
 
 
+@pytest.mark.usefixtures("no_leftover_ray")
 def test_plugin_in_ray_workers():
     import os
 
