@@ -4,7 +4,7 @@ Each stage writes into a temporary directory and renames it into place, with a s
 the hash of the settings that produced it. A stage is skipped when its stamp matches, so repeated
 runs are cheap and an interrupted run never leaves a half-written artifact that looks complete.
 
-    python -m tlt_verl.task.prepare --root /tmp/tlt_task_root [--force] [--eval 64]
+    python -m tlt_verl.task.prepare --root DIR [--force] [--eval 64]
 """
 from __future__ import annotations
 
