@@ -73,7 +73,7 @@ if triton is not None:
             ey = tl.exp(y - my_new)
             scale = tl.exp(my - my_new)
             sy = sy * scale + tl.sum(ey, 0)
-            ayz = ayz * scale + tl.sum(tl.where(ok, ey * z, 0.0), 0)
+            ayz = ayz * scale + tl.sum(ey * tl.where(ok, z, 0.0), 0)   # ey is 0 where masked
             my = my_new
         base = out_ptr + row * 5
         tl.store(base + 0, mz)
@@ -97,13 +97,17 @@ if triton is not None:
             dz = g * (tl.exp(z - lse_z) - tl.exp(y - lse_y))
             tl.store(z_ptr + row * stride_z + cols, dz, mask=ok)
 
+    # The kernels index rows by stride and columns by offset: tiles must have unit column stride.
+    _unit_cols = lambda t: t if t.stride(1) == 1 else t.contiguous()
+
     def _triton_tile_stats(z, y):
+        y = _unit_cols(y)
         out = torch.empty(z.shape[0], 5, device=z.device, dtype=torch.float32)
         _stats_kernel[(z.shape[0],)](z, y, out, z.shape[1], z.stride(0), y.stride(0), BLOCK=1024)
         return out.unbind(dim=1)
 
     def _triton_tile_grad(z, y, lse_z, lse_y, g):
-        g = g.float().contiguous()
+        y, g = _unit_cols(y), g.float().contiguous()
         _grad_kernel[(z.shape[0],)](z, y, lse_z, lse_y, g, z.shape[1], z.stride(0), y.stride(0),
                                     BLOCK=1024)
         return z
@@ -115,6 +119,8 @@ def _backend(device: torch.device, requested: str | None) -> str:
     if requested is not None:
         if requested not in _OPS:
             raise ValueError(f"soft_cross_entropy backend={requested!r}: available {sorted(_OPS)}")
+        if requested == "triton" and device.type != "cuda":
+            raise ValueError(f"soft_cross_entropy backend='triton': needs CUDA tensors, got {device.type}")
         return requested
     return "triton" if device.type == "cuda" and "triton" in _OPS else "torch"
 

@@ -69,7 +69,8 @@ def pack(samples: Sequence[Mapping[str, torch.Tensor]], row_len: int) -> PackedB
     for i in sorted(range(len(samples)), key=lambda i: -lengths[i]):
         r = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
         if r is None:
-            rows.append([]), room.append(row_len)
+            rows.append([])
+            room.append(row_len)
             r = len(rows) - 1
         rows[r].append(i)
         room[r] -= lengths[i]
