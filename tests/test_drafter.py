@@ -57,6 +57,11 @@ def test_config_from_qwen2_target_and_validation():
             cfg.vocab_size, cfg.rope_theta) == (64, 4, 2, 16, VOCAB, tc.rope_parameters["rope_theta"])
     assert cfg.aux_layer_ids == (0, 2, 3) and cfg.fc_in_features == 3 * 64
     assert DrafterConfig.from_target(tc).fc_in_features == 128
+    from transformers import LlamaConfig
+    llama = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                        intermediate_size=200, num_hidden_layers=8, vocab_size=1000, attention_bias=True)
+    lc = DrafterConfig.from_target(llama, kind="eagle3")
+    assert (lc.head_dim, lc.num_key_value_heads, lc.aux_layer_ids, lc.attention_bias) == (32, 2, (2, 4, 5), False)
     assert default_aux_layer_ids(32) == (2, 16, 29)          # SGLang / vLLM default
     assert default_aux_layer_ids(2) == (0, 1)                 # small targets: distinct, in range
     with pytest.raises(ValueError, match=r"^DrafterConfig.aux_layer_ids=\[1, 4\]: ids must be in \[0, 3\]$"):
