@@ -8,7 +8,9 @@ assets. The drafter proposes the target's bigram guess, accepted about 35-45% of
 the rejection sampler both accepts and resamples.
 
 The engine runs in a subprocess (this file's __main__), once with the fixes and once with the
-temperature fix switched off, which must fail the same statistics.
+temperature fix switched off, which must fail the same statistics. The run with the fixes starts
+vLLM's engine core and worker as separate (spawned) processes, as the rollout server does, so it
+also shows that the plugin is loaded there.
 """
 from __future__ import annotations
 
@@ -253,7 +255,8 @@ def exact(models):
 
 @pytest.fixture(scope="module")
 def fixed(models, tmp_path_factory, exact):
-    result = _run(models, tmp_path_factory.mktemp("sd_fixed"), reference_greedy=True)
+    result = _run(models, tmp_path_factory.mktemp("sd_fixed"), reference_greedy=True,
+                  env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     return result, statistics(exact, result)
 
 
