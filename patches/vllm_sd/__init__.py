@@ -13,6 +13,9 @@ Loaded as a `vllm.general_plugins` entry point, which vLLM calls in every proces
 
 Nothing is patched off the CPU platform, nor where Triton-CPU runs (vLLM then keeps the
 Triton kernels, which are right).
+
+3. `runtime` (every platform): utility calls on the engine core that set the batch-size -> k
+   schedule at run time and return per-step SD records, for the adaptive SD policy.
 """
 from __future__ import annotations
 
@@ -30,9 +33,16 @@ _applied = False
 def apply() -> None:
     """The entry point; vLLM may call it more than once per process."""
     global _applied
-    if _applied or not _needs_cpu_kernels():
+    if _applied:
         return
-    require_version("vllm", VLLM_SPEC, "vLLM-CPU speculative decoding")
+    require_version("vllm", VLLM_SPEC, "vLLM speculative decoding patches")
+    from tlt_verl.patches.vllm_sd import runtime
+
+    when_imported("vllm.v1.core.sched.scheduler", runtime.patch_scheduler)
+    when_imported("vllm.v1.engine.core", runtime.patch_engine_core)
+    if not _needs_cpu_kernels():
+        _applied = True
+        return
     from tlt_verl.patches.vllm_sd import kernels, temperature
 
     temperature_fix = os.environ.get(DISABLE_TEMPERATURE_FIX, "") not in ("1", "true", "yes")

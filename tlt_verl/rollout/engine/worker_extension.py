@@ -9,8 +9,10 @@ import hashlib
 
 from safetensors.torch import load_file
 
+from tlt_verl.rollout.engine.drafter_reload import DrafterExtension
 
-class TLTWorkerExtension:
+
+class TLTWorkerExtension(DrafterExtension):
     def tlt_reload_target_weights(self, path: str) -> str:
         """Load the actor's weights into the target model; the drafter is left alone.
 

@@ -1,0 +1,432 @@
+"""Adaptive rollout: the BEG-MAB bandit, the SD policy's schedule, and run-time engine control
+(schedule changes, per-step SD records, drafter hot-swap, target/drafter isolation).
+
+The engine tests run one AsyncLLM (spawned engine core and worker, as the rollout server runs
+it) in a subprocess (this file's __main__) on the tiny Llama target of tests/_drafters.py with
+its bigram EAGLE-1 drafter, and check what the subprocess reports.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tlt_verl.rollout.policy import AdaptiveSDPolicy, BanditConfig, BucketedEpsilonGreedy, SDPolicyConfig, StepMetric
+
+K = 3
+MAX_SEQS = 8
+MAX_TOKENS = [40, 32, 24, 16]  # different lengths: the running batch shrinks 4 -> 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Bandit and policy (no engine)
+
+def _play(bandit, rewards, rounds, bucket=0, noise=0.0, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    picks = []
+    for _ in range(rounds):
+        k = bandit.select(bucket)
+        bandit.update(bucket, k, rewards[k] + rng.gauss(0, noise))
+        picks.append(k)
+    return picks
+
+
+def test_bandit_deterministic_under_seed():
+    rewards = {0: 1.0, 1: 1.3, 2: 1.1, 3: 0.7}
+    a = _play(BucketedEpsilonGreedy(BanditConfig(seed=7)), rewards, 60, noise=0.2)
+    b = _play(BucketedEpsilonGreedy(BanditConfig(seed=7)), rewards, 60, noise=0.2)
+    c = _play(BucketedEpsilonGreedy(BanditConfig(seed=8, min_epsilon=0.3, epsilon_decay=1.0)), rewards, 60, noise=0.2)
+    assert a == b
+    assert a != c
+
+
+def test_bandit_converges_to_best_arm_per_bucket():
+    bandit = BucketedEpsilonGreedy(BanditConfig(seed=0))
+    # Small batches favour long drafts, large ones no SD: the buckets must learn separately.
+    best = {0: 3, 4: 0}
+    for bucket, k_best in best.items():
+        rewards = {k: 1.0 - 0.15 * abs(k - k_best) for k in bandit.config.arms}
+        picks = _play(bandit, rewards, 200, bucket=bucket, noise=0.1, seed=bucket)
+        assert bandit.best(bucket) == k_best
+        assert picks[-50:].count(k_best) >= 40, picks[-50:]
+    assert bandit.epsilon(0) == bandit.config.min_epsilon
+    assert bandit.bucket_of(1) == 0 and bandit.bucket_of(3) == 1 and bandit.bucket_of(16) == 4
+    assert bandit.bucket_of(1000) == 4
+
+
+def test_bandit_state_restore_continues_identically():
+    rewards = {0: 1.0, 1: 1.2, 2: 1.25, 3: 0.9}
+    ref = BucketedEpsilonGreedy(BanditConfig(seed=3))
+    _play(ref, rewards, 25, noise=0.3, seed=1)
+    state = json.loads(json.dumps(ref.state_dict()))  # JSON round trip, as a checkpoint would
+    restored = BucketedEpsilonGreedy(BanditConfig(seed=999))
+    restored.load_state_dict(state)
+    assert _play(ref, rewards, 40, noise=0.3, seed=2) == _play(restored, rewards, 40, noise=0.3, seed=2)
+    # The seed in the config only starts the stream; the restored stream is the saved one.
+    assert {k: v for k, v in ref.state_dict().items() if k != "config"} == \
+        {k: v for k, v in restored.state_dict().items() if k != "config"}
+    with pytest.raises(ValueError, match="arms"):
+        BucketedEpsilonGreedy(BanditConfig(arms=(0, 2))).load_state_dict(state)
+
+
+def test_bandit_config_errors_name_the_option():
+    for kwargs, option in [({"arms": (2,)}, "bandit.arms"), ({"arms": (1, 1)}, "bandit.arms"),
+                           ({"bucket_edges": (2, 4)}, "bandit.bucket_edges"),
+                           ({"bucket_edges": (1, 4, 4)}, "bandit.bucket_edges"),
+                           ({"epsilon": 1.5}, "bandit.epsilon"), ({"epsilon_decay": 0}, "bandit.epsilon_decay"),
+                           ({"step_size": 2.0}, "bandit.step_size")]:
+        with pytest.raises(ValueError) as e:
+            BanditConfig(**kwargs)
+        assert str(e.value).startswith(option) and "\n" not in str(e.value)
+    assert all(len(BanditConfig().arms) > 1 for _ in range(BanditConfig().num_buckets))
+    with pytest.raises(ValueError, match="sd.threshold"):
+        SDPolicyConfig(threshold=0)
+    with pytest.raises(ValueError, match="bucket_edges"):
+        SDPolicyConfig(threshold=4, bandit=BanditConfig(bucket_edges=(1, 2, 8)))
+    with pytest.raises(ValueError, match="num_speculative_tokens=2"):
+        AdaptiveSDPolicy(SDPolicyConfig(), max_k=2, max_batch=64)
+
+
+def test_policy_schedule_shape():
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    cfg = SDPolicyConfig(threshold=16, bandit=BanditConfig(bucket_edges=(1, 2, 4, 8), arms=(0, 1, 2, 3)))
+    policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=64)
+    sched = policy.schedule()
+    assert [(s, e) for s, e, _ in sched] == [(1, 1), (2, 3), (4, 7), (8, 16), (17, 64)]
+    assert sched[-1][2] == 0  # SD off above the threshold
+    assert all(k == cfg.bandit.arms[0] for _, _, k in sched[:-1])  # untried arms first, in order
+    lookup = build_dynamic_sd_schedule_lookup([list(x) for x in sched], 64, 3)  # vLLM accepts it
+    assert lookup[16] == sched[3][2] and lookup[17] == 0 and len(lookup) == 65
+    # Threshold at max_batch: no SD-off range.
+    assert AdaptiveSDPolicy(SDPolicyConfig(threshold=16), max_k=3, max_batch=16).schedule()[-1][1] == 16
+
+
+def _step(batch, k, emitted, step_s, **kw):
+    return StepMetric(batch=batch, k=k, prefill_reqs=kw.get("prefill", 0), drafted_reqs=batch if k else 0,
+                      draft_tokens=kw.get("drafts", k * batch), accepted_per_pos=(0,) * max(k, 1),
+                      emitted=emitted, step_s=step_s)
+
+
+def test_policy_learns_from_steps_and_skips_unsteady_ones():
+    cfg = SDPolicyConfig(threshold=8, steps_per_pull=4, bandit=BanditConfig(bucket_edges=(1, 4), arms=(0, 2), seed=1))
+    policy = AdaptiveSDPolicy(cfg, max_k=2, max_batch=16)
+    assert policy.arm(0) == 0
+    # Prefill, transition (drafts of another length) and above-threshold steps are not rewards.
+    assert not policy.observe([_step(2, 0, 2, 0.01, prefill=1), _step(2, 0, 2, 0.01, drafts=4), _step(12, 0, 12, 0.01)])
+    assert policy.bandit.estimates(0)[0][0] == 0
+    assert policy.observe([_step(2, 0, 2, 0.01)] * 4)  # k=0: 200 tok/s; next the untried k=2
+    assert policy.arm(0) == 2 and policy.schedule()[0] == (1, 3, 2)
+    policy.observe([_step(2, 2, 6, 0.012)] * 4)  # k=2: 500 tok/s
+    assert policy.bandit.estimates(0)[2] == (1, pytest.approx(500.0))
+    for _ in range(20):
+        k = policy.arm(0)
+        policy.observe([_step(2, k, 2 if k == 0 else 6, 0.01 if k == 0 else 0.012)] * 4)
+    assert policy.bandit.best(0) == 2
+    state = json.loads(json.dumps(policy.state_dict()))
+    other = AdaptiveSDPolicy(cfg, max_k=2, max_batch=16)
+    other.load_state_dict(state)
+    assert other.schedule() == policy.schedule() and other.state_dict() == policy.state_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine side (runs in the subprocess)
+
+def _counters() -> dict:
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    out = {}
+    for m in get_metrics_snapshot():
+        if m.name.startswith("vllm:spec_decode_num_"):
+            out[m.name.removeprefix("vllm:spec_decode_num_")] = list(m.values) if hasattr(m, "values") else m.value
+    return out
+
+
+def _delta(after, before):
+    return {k: ([a - b for a, b in zip(v, before.get(k, [0] * len(v)))] if isinstance(v, list) else v - before.get(k, 0))
+            for k, v in after.items()}
+
+
+async def _scenario(target: str, drafter: str, random_drafter: str, bad: dict[str, str], alt_target: str) -> dict:
+    import torch
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from tlt_verl.rollout.engine import sd_control
+    from tlt_verl.rollout.engine.drafter_push import DrafterManifest, push_drafter_async
+    from tlt_verl.rollout.engine.replica import engine_env
+    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
+
+    for key, value in engine_env(0).items():
+        os.environ.setdefault(key, value)
+        if key.endswith(("_PATH", "_ROOT")):
+            os.makedirs(value, exist_ok=True)
+    spec = {"method": "eagle", "model": drafter, "num_speculative_tokens": K,
+            "num_speculative_tokens_per_batch_size": [[1, MAX_SEQS, K]]}
+    t0 = time.time()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
+        max_num_seqs=MAX_SEQS, max_num_batched_tokens=2048, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
+        speculative_config=spec, disable_log_stats=False,
+        worker_extension_cls="tlt_verl.rollout.engine.worker_extension.TLTWorkerExtension"))
+    res: dict = {"timings": {"engine_start": time.time() - t0}}
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 128, (8,), generator=g).tolist() for _ in MAX_TOKENS]
+    calls = 0
+
+    async def one(i, p, n, progress):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        final = None
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=p), sp, f"r{calls}-{i}"):
+            final = out
+            progress[i] = len(out.outputs[0].token_ids)
+        return list(final.outputs[0].token_ids)
+
+    async def generate(name, during=None):
+        nonlocal calls
+        calls += 1
+        before, t = _counters(), time.time()
+        progress = [0] * len(prompts)
+        tasks = [asyncio.create_task(one(i, p, n, progress)) for i, (p, n) in enumerate(zip(prompts, MAX_TOKENS))]
+        if during is not None:
+            while max(progress) < 8:  # mid-generation: every request has started decoding
+                await asyncio.sleep(0.002)
+            res.setdefault("progress_at_push", {})[name] = list(progress)
+            await during()
+        tokens = await asyncio.gather(*tasks)
+        res["timings"][name] = time.time() - t
+        await asyncio.sleep(0.3)  # let the last stats reach the Prometheus logger
+        res.setdefault("counters", {})[name] = _delta(_counters(), before)
+        res.setdefault("steps", {})[name] = [vars(m) for m in await sd_control.take_sd_metrics_async(engine)]
+        res.setdefault("tokens", {})[name] = tokens
+        return tokens
+
+    async def checksum(which):
+        return (await engine.collective_rpc("tlt_weights_checksum", args=(which,)))[0]
+
+    try:
+        manifest = DrafterManifest.from_folder(drafter)
+        await sd_control.take_sd_metrics_async(engine)  # warm-up steps of the engine start
+        await generate("k3")
+        res["schedule_k0"] = await sd_control.set_sd_schedule_async(engine, [[1, MAX_SEQS, 0]])
+        await generate("k0")
+        await sd_control.set_sd_schedule_async(engine, [[1, 2, 2], [3, MAX_SEQS, 1]])
+        await generate("k_by_batch")
+        await sd_control.set_sd_schedule_async(engine, [[1, MAX_SEQS, K]])
+
+        res["sha_start"] = {"drafter": await checksum("drafter"), "target": await checksum("target")}
+
+        async def push_random():
+            t = time.time()
+            res["sha_random"] = await push_drafter_async(engine, manifest, os.path.join(random_drafter, "model.safetensors"))
+            res["timings"]["push"] = time.time() - t
+
+        await generate("push_during", during=push_random)
+        await generate("random_drafter")
+        res["sha_back"] = await push_drafter_async(engine, manifest, os.path.join(drafter, "model.safetensors"))
+        await generate("bigram_again")
+
+        res["rejected"] = {}
+        for name, path in bad.items():
+            try:
+                await push_drafter_async(engine, manifest, path)
+                res["rejected"][name] = None
+            except ValueError as e:
+                res["rejected"][name] = str(e)
+        # The worker's own check, reached without the driver's (a file that changed after it).
+        res["worker_refusal"] = (await engine.collective_rpc(
+            "tlt_reload_drafter_weights", args=(bad["corrupt"], manifest.tensors)))[0]
+        res["sha_after_rejects"] = await checksum("drafter")
+        await generate("after_rejects")
+
+        t = time.time()
+        await engine.collective_rpc("tlt_reload_target_weights", args=(os.path.join(alt_target, "model.safetensors"),))
+        res["timings"]["target_reload"] = time.time() - t
+        res["sha_alt_target"] = {"drafter": await checksum("drafter"), "target": await checksum("target")}
+        await generate("alt_target")
+        await engine.collective_rpc("tlt_reload_target_weights", args=(os.path.join(target, "model.safetensors"),))
+        res["sha_target_back"] = {"drafter": await checksum("drafter"), "target": await checksum("target")}
+        await generate("target_back")
+    finally:
+        engine.shutdown()
+    return res
+
+
+def _main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    m = json.loads(Path(args.models).read_text())
+    res = asyncio.run(_scenario(m["target"], m["drafter"], m["random_drafter"], m["bad"], m["alt_target"]))
+    Path(args.out).write_text(json.dumps(res))
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine tests
+
+def _write_models(root: Path) -> dict:
+    import shutil
+
+    import torch
+    from _drafters import write_eagle1_drafter, write_target
+    from safetensors.torch import load_file, save_file
+
+    target = write_target(str(root / "target"))
+    drafter = write_eagle1_drafter(target, str(root / "drafter"), bigram=True)
+    random_drafter = write_eagle1_drafter(target, str(root / "random"), bigram=False)
+    w = load_file(os.path.join(drafter, "model.safetensors"))
+    bad_dir = root / "bad"
+    bad_dir.mkdir()
+    bad = {}
+
+    def variant(name, state):
+        bad[name] = str(bad_dir / f"{name}.safetensors")
+        save_file(state, bad[name])
+
+    variant("wrong_shape", {**w, "fc.weight": torch.zeros(128, 128)})
+    variant("wrong_dtype", {k: v.half() for k, v in w.items()})
+    variant("missing", {k: v for k, v in w.items() if k != "layers.0.mlp.up_proj.weight"})
+    variant("extra", {**w, "layers.1.mlp.up_proj.weight": w["layers.0.mlp.up_proj.weight"].clone()})
+    variant("target_owned", {**w, "embed_tokens.weight": torch.zeros(128, 128)})
+    variant("nonfinite", {**w, "fc.weight": torch.full_like(w["fc.weight"], float("nan"))})
+    raw = Path(drafter, "model.safetensors").read_bytes()
+    bad["corrupt"] = str(bad_dir / "corrupt.safetensors")
+    Path(bad["corrupt"]).write_bytes(raw[: len(raw) // 2])
+    bad["garbage"] = str(bad_dir / "garbage.safetensors")
+    Path(bad["garbage"]).write_bytes(b"\xff" * 64)
+    # Another target: the same weights with a rescaled LM head (a "trained" step's update).
+    alt = root / "alt_target"
+    shutil.copytree(target, alt)
+    tw = load_file(os.path.join(target, "model.safetensors"))
+    tw["lm_head.weight"] = tw["lm_head.weight"] * 1.5
+    save_file(tw, str(alt / "model.safetensors"), metadata={"format": "pt"})
+    return {"target": target, "drafter": drafter, "random_drafter": random_drafter, "bad": bad, "alt_target": str(alt)}
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    models = _write_models(root)
+    (root / "models.json").write_text(json.dumps(models))
+    scratch = root / "scratch"
+    (scratch / "tmp").mkdir(parents=True)
+    env = dict(os.environ, TLT_SCRATCH=str(scratch), TMPDIR=str(scratch / "tmp"), PYTHONUNBUFFERED="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, __file__, "--models", str(root / "models.json"), "--out", str(root / "out.json")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((root / "out.json").read_text())
+    res["timings"]["subprocess"] = time.time() - t0
+    print("\n[adaptive] timings", json.dumps({k: round(v, 2) for k, v in res["timings"].items()}))
+    return res
+
+
+def _decode_steps(res, name):
+    return [s for s in res["steps"][name] if s["prefill_reqs"] == 0]
+
+
+@pytest.mark.slow
+def test_schedule_change_changes_k_used(scenario):
+    res = scenario
+    k3, k0, kb = (_decode_steps(res, n) for n in ("k3", "k0", "k_by_batch"))
+    assert k3 and all(s["k"] == K for s in k3) and sum(s["draft_tokens"] for s in k3) > 0
+    assert res["counters"]["k3"]["drafts"] > 0
+    # k=0: nothing drafted, nothing verified, in our records and in vLLM's own counters.
+    assert res["schedule_k0"] == [[1, MAX_SEQS, 0]]
+    assert all(s["k"] == 0 for s in res["steps"]["k0"])
+    assert sum(s["draft_tokens"] for s in res["steps"]["k0"]) == 0
+    assert res["counters"]["k0"]["drafts"] == 0 and res["counters"]["k0"]["draft_tokens"] == 0
+    # By batch size: k=1 at 3-4 running requests, k=2 at 1-2.
+    assert {s["batch"] for s in kb} >= {1, 2, 3, 4}
+    for s in kb:
+        assert s["k"] == (1 if s["batch"] >= 3 else 2), s
+    steady = [s for s in kb if s["draft_tokens"] == s["k"] * s["batch"]]
+    assert len(steady) >= len(kb) - 3  # only the steps where the batch crossed a range differ
+    assert all(sum(s["accepted_per_pos"][1:]) == 0 for s in kb if s["k"] == 1)
+    # Greedy output never depends on k.
+    for name in ("k0", "k_by_batch"):
+        assert res["tokens"][name] == res["tokens"]["k3"], name
+    # Records add up to what was generated, and feed the policy.
+    assert sum(s["emitted"] for s in res["steps"]["k3"]) == sum(MAX_TOKENS)
+    assert all(s["step_s"] > 0 for s in res["steps"]["k3"])
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold=8, steps_per_pull=2, bandit=BanditConfig(bucket_edges=(1, 2, 4))),
+                              max_k=K, max_batch=MAX_SEQS)
+    policy.observe(res["steps"]["k0"])
+    assert policy.bandit.estimates(0)[0][0] + policy.bandit.estimates(1)[0][0] > 0
+
+
+def _acceptance(counters):
+    return counters["accepted_tokens"] / max(counters["draft_tokens"], 1)
+
+
+@pytest.mark.slow
+def test_drafter_push_during_generation(scenario):
+    res = scenario
+    assert 0 < max(res["progress_at_push"]["push_during"]) < max(MAX_TOKENS)
+    assert res["tokens"]["push_during"] == res["tokens"]["k3"]  # temperature 0: unchanged
+    assert res["tokens"]["random_drafter"] == res["tokens"]["k3"]
+    assert res["sha_random"] != res["sha_start"]["drafter"]
+    assert res["sha_back"] == res["sha_start"]["drafter"]  # read back exactly what was loaded
+    bigram, rand = _acceptance(res["counters"]["k3"]), _acceptance(res["counters"]["random_drafter"])
+    assert bigram > 0.2 and rand < bigram / 2, (bigram, rand)
+    assert res["counters"]["bigram_again"] == res["counters"]["k3"]
+
+
+@pytest.mark.slow
+def test_rejected_push_leaves_old_drafter_serving(scenario):
+    res = scenario
+    for name, err in res["rejected"].items():
+        assert err is not None, f"{name} was accepted"
+        assert "\n" not in err and err.startswith("drafter weights"), err
+    assert "fc.weight" in res["rejected"]["wrong_shape"] and "float16" in res["rejected"]["wrong_dtype"]
+    assert "up_proj" in res["rejected"]["missing"] and "layers.1" in res["rejected"]["extra"]
+    assert "shares with the target" in res["rejected"]["target_owned"]
+    assert "non-finite" in res["rejected"]["nonfinite"] and "truncated" in res["rejected"]["corrupt"]
+    assert res["worker_refusal"]["ok"] is False and "\n" not in res["worker_refusal"]["error"]
+    assert res["sha_after_rejects"] == res["sha_start"]["drafter"]
+    assert res["tokens"]["after_rejects"] == res["tokens"]["k3"]
+    assert res["counters"]["after_rejects"] == res["counters"]["k3"]  # same acceptance, to the token
+
+
+@pytest.mark.slow
+def test_target_reload_leaves_drafter_untouched(scenario):
+    res = scenario
+    start = res["sha_start"]
+    assert res["sha_alt_target"]["target"] != start["target"]
+    assert res["sha_alt_target"]["drafter"] == start["drafter"]
+    assert res["tokens"]["alt_target"] != res["tokens"]["k3"]  # the new target is serving
+    assert res["sha_target_back"] == start
+    assert res["tokens"]["target_back"] == res["tokens"]["k3"]
+
+
+def test_manifest_checks_without_engine(tmp_path):
+    from tlt_verl.rollout.engine.drafter_push import DrafterManifest
+
+    models = _write_models(tmp_path)
+    manifest = DrafterManifest.from_folder(models["drafter"])
+    manifest.check(os.path.join(models["random_drafter"], "model.safetensors"))
+    for name, path in models["bad"].items():
+        with pytest.raises(ValueError) as e:
+            manifest.check(path)
+        assert "\n" not in str(e.value), name
+    with pytest.raises(ValueError, match="no config.json"):
+        DrafterManifest.from_folder(tmp_path / "bad")
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,131 @@
+"""The adaptive SD policy: off above a running-batch threshold, the bandit's arm below it.
+
+Its output is the schedule vLLM 0.30 reads (`num_speculative_tokens_per_batch_size`: inclusive
+`(start, end, k)` ranges starting at 1, k=0 allowed), which the engine takes at run time
+(`patches/vllm_sd/runtime.py`). Its input is the engine's per-step records: each decode step
+under a bucket's current arm adds its tokens and step time to that arm's pull; after
+`steps_per_pull` steps the pull's throughput is the bandit's reward and the bucket moves on to
+the bandit's next choice.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Iterable, Mapping
+
+from tlt_verl.rollout.policy.bandit import BanditConfig, BucketedEpsilonGreedy
+
+# Running batch above which SD is off. From bench/sd_threshold.py on this project's 2-core CPU
+# box (bench/results/sd_threshold.json): the largest batch at which SD with an assumed 0.7
+# per-token acceptance beats plain decoding of the tiny SFT target.
+DEFAULT_THRESHOLD = 16
+
+
+@dataclass(frozen=True)
+class StepMetric:
+    """One engine step as the scheduler saw it (see patches/vllm_sd/runtime.py)."""
+    batch: int            # requests scheduled in the step
+    k: int                # speculative tokens the schedule gave this batch size (drafted at the step's end)
+    prefill_reqs: int     # requests that were (partly) prefilling
+    drafted_reqs: int     # requests whose drafts were verified in the step
+    draft_tokens: int     # drafts verified
+    accepted_per_pos: tuple[int, ...]  # accepted drafts at each draft position
+    emitted: int          # tokens the step added to all requests (accepted + bonus)
+    step_s: float         # seconds the step took
+    t: float = 0.0        # when it ended (time.time())
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> "StepMetric":
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in record.items() if k in names}
+        values["accepted_per_pos"] = tuple(values.get("accepted_per_pos", ()))
+        return cls(**values)
+
+    @property
+    def steady(self) -> bool:
+        """A decode-only step whose verified drafts were all drafted under this step's k.
+
+        The step after a schedule change verifies drafts of the old length but drafts with the
+        new one; a prefill costs more than a decode. Neither says what the arm is worth.
+        """
+        return self.prefill_reqs == 0 and self.step_s > 0 and self.draft_tokens == self.k * self.batch
+
+
+@dataclass(frozen=True)
+class SDPolicyConfig:
+    threshold: int = DEFAULT_THRESHOLD
+    steps_per_pull: int = 8
+    bandit: BanditConfig = field(default_factory=BanditConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bandit, Mapping):
+            object.__setattr__(self, "bandit", BanditConfig(**self.bandit))
+        if self.threshold < 1:
+            raise ValueError(f"sd.threshold={self.threshold}: must be >= 1")
+        if self.steps_per_pull < 1:
+            raise ValueError(f"sd.steps_per_pull={self.steps_per_pull}: must be >= 1")
+        if self.bandit.bucket_edges[-1] > self.threshold:
+            raise ValueError(f"bandit.bucket_edges={list(self.bandit.bucket_edges)}: a bucket starting above "
+                             f"sd.threshold={self.threshold} would never be played")
+
+
+class AdaptiveSDPolicy:
+    def __init__(self, config: SDPolicyConfig, *, max_k: int, max_batch: int) -> None:
+        if max(config.bandit.arms) > max_k:
+            raise ValueError(f"bandit.arms={list(config.bandit.arms)}: k={max(config.bandit.arms)} exceeds the "
+                             f"engine's num_speculative_tokens={max_k} (start it with the largest arm)")
+        self.config = config
+        self.max_k = max_k
+        self.max_batch = max_batch
+        self.bandit = BucketedEpsilonGreedy(config.bandit)
+        n = config.bandit.num_buckets
+        self._arm = [self.bandit.select(b) for b in range(n)]
+        self._acc = [[0, 0, 0.0] for _ in range(n)]  # steps, tokens, seconds of the current pull
+
+    def arm(self, bucket: int) -> int:
+        return self._arm[bucket]
+
+    def schedule(self) -> list[tuple[int, int, int]]:
+        out = []
+        for b in range(self.config.bandit.num_buckets):
+            start, end = self.config.bandit.bucket_range(b, self.max_batch)
+            end = min(end, self.config.threshold, self.max_batch)
+            if start <= end:
+                out.append((start, end, self._arm[b]))
+        if self.config.threshold < self.max_batch:
+            out.append((self.config.threshold + 1, self.max_batch, 0))
+        return out
+
+    def observe(self, records: Iterable[StepMetric | Mapping[str, Any]]) -> bool:
+        """Feed engine steps; True when an arm changed (push `schedule()` to the engine again)."""
+        changed = False
+        for rec in records:
+            m = rec if isinstance(rec, StepMetric) else StepMetric.from_record(rec)
+            if m.batch > self.config.threshold or not m.steady:
+                continue
+            b = self.bandit.bucket_of(m.batch)
+            if m.k != self._arm[b]:
+                continue  # ran under an older schedule
+            acc = self._acc[b]
+            acc[0] += 1
+            acc[1] += m.emitted
+            acc[2] += m.step_s
+            if acc[0] >= self.config.steps_per_pull:
+                self.bandit.update(b, self._arm[b], acc[1] / acc[2])
+                new = self.bandit.select(b)
+                changed |= new != self._arm[b]
+                self._arm[b] = new
+                self._acc[b] = [0, 0, 0.0]
+        return changed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": {"threshold": self.config.threshold, "steps_per_pull": self.config.steps_per_pull,
+                           "bandit": asdict(self.config.bandit)},
+                "bandit": self.bandit.state_dict(), "arms": list(self._arm), "acc": [list(a) for a in self._acc]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["config"]["threshold"] != self.config.threshold:
+            raise ValueError(f"sd policy state: threshold={state['config']['threshold']} does not match "
+                             f"sd.threshold={self.config.threshold}")
+        self.bandit.load_state_dict(state["bandit"])
+        self._arm = [int(a) for a in state["arms"]]
+        self._acc = [[int(a[0]), int(a[1]), float(a[2])] for a in state["acc"]]
