@@ -308,11 +308,11 @@ def _write_models(root: Path) -> dict:
     Path(bad["corrupt"]).write_bytes(raw[: len(raw) // 2])
     bad["garbage"] = str(bad_dir / "garbage.safetensors")
     Path(bad["garbage"]).write_bytes(b"\xff" * 64)
-    # Another target: the same weights with a rescaled LM head (a "trained" step's update).
+    # Another target: the same weights with the LM head rows reversed (greedy output changes).
     alt = root / "alt_target"
     shutil.copytree(target, alt)
     tw = load_file(os.path.join(target, "model.safetensors"))
-    tw["lm_head.weight"] = tw["lm_head.weight"] * 1.5
+    tw["lm_head.weight"] = tw["lm_head.weight"].flip(0).contiguous()
     save_file(tw, str(alt / "model.safetensors"), metadata={"format": "pt"})
     return {"target": target, "drafter": drafter, "random_drafter": random_drafter, "bad": bad, "alt_target": str(alt)}
 

@@ -54,8 +54,12 @@ def patch_scheduler(mod) -> None:
     @functools.wraps(update)
     def recorded_update(self, scheduler_output, model_runner_output):
         record = _step_record(self, scheduler_output, model_runner_output)
+        # Tokens the step delivered: what the model emitted, less what stop conditions cut off.
+        before = [(r, r.num_output_tokens) for r in map(self.requests.get, scheduler_output.num_scheduled_tokens)
+                  if r is not None] if record is not None else []
         result = update(self, scheduler_output, model_runner_output)
         if record is not None:
+            record["emitted"] = sum(r.num_output_tokens - n for r, n in before)
             now = time.perf_counter()
             # Under async scheduling the next step is scheduled before this one's output is
             # processed: the step's own time is the gap since the previous step ended, unless
@@ -103,7 +107,7 @@ def _step_record(scheduler, so, mro) -> dict[str, Any] | None:
                 per_pos[p] += 1
     return {"batch": len(num_scheduled), "k": int(so.num_spec_tokens_to_schedule), "prefill_reqs": prefill,
             "drafted_reqs": drafted, "draft_tokens": drafts, "accepted_per_pos": per_pos,
-            "emitted": emitted, "scheduled_tokens": int(so.total_num_scheduled_tokens)}
+            "model_tokens": emitted, "scheduled_tokens": int(so.total_num_scheduled_tokens)}
 
 
 def patch_engine_core(mod) -> None:

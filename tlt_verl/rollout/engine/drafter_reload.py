@@ -58,7 +58,7 @@ def checksum(module: torch.nn.Module, *, exclude: Iterable[int] = (), dtype: tor
             if t.is_meta:
                 raise RuntimeError(f"{WHAT}: {mod_name}.{name} is on the meta device (a reload was interrupted)")
             h.update(f"{mod_name}.{name}|{t.dtype}|{tuple(t.shape)}".encode())
-            h.update(t.contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.contiguous().reshape(-1).cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
