@@ -369,3 +369,76 @@ def test_data_parallel_ranks_stay_identical_and_match_one_process(target, tmp_pa
     single.train(max_steps=4)
     assert _same(r0["weights"], _weights(single))
     assert not _same(r0["weights"], init.state_dict())
+
+
+# ---------------------------------------------------------------- CLI
+
+def _cli(capsys, *argv):
+    from tlt_verl.cli import main
+
+    rc = main(list(argv))
+    return rc, capsys.readouterr()
+
+
+def test_cli_refuses_bad_input_in_one_line(target, tmp_path, capsys):
+    from tlt_verl.drafter.export import export_drafter, load_drafter
+
+    tdir = tmp_path / "target"
+    target.config.save_pretrained(tdir)
+    other = tmp_path / "other"
+    tiny_target(vocab_size=128).config.save_pretrained(other)
+    cases = [
+        (["warmup", "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
+         f"tlt-verl: --target={tmp_path / 'nope'}: no such model directory (no config.json)"),
+        (["warmup", "--target", str(tdir), "--out", str(tmp_path / "o"), "--init", str(tmp_path / "nope")],
+         f"tlt-verl: --init={tmp_path / 'nope'}: no such model directory (no config.json)"),
+        (["export", "--checkpoint", str(tmp_path), "--target", str(tdir), "--out", str(tmp_path / "o")],
+         f"tlt-verl: checkpoint directory {tmp_path}: no loadable checkpoint"),
+    ]
+    wrong_vocab = export_drafter(drafter_for(tiny_target(vocab_size=128)), tmp_path / "d128")
+    cases.append((["warmup", "--target", str(tdir), "--out", str(tmp_path / "o"), "--init", str(wrong_vocab)],
+                  f"tlt-verl: drafter {wrong_vocab}: vocab_size=128 does not match the target's vocab_size=96"))
+    eagle = export_drafter(drafter_for(target), tmp_path / "e1")
+    cases.append((["warmup", "--target", str(tdir), "--out", str(tmp_path / "o"), "--init", str(eagle), "--kind", "eagle3"],
+                  f"tlt-verl: --init {eagle}: is an eagle drafter, but --kind eagle3"))
+    buf = fill(DataBuffer(), records(target, 6), [0] * 6)
+    tr = DrafterTrainer(drafter_for(target), buf, small_cfg())
+    tr.train(max_steps=2)
+    CheckpointManager(tmp_path / "ck").save(tr.state_dict(), tr.step)
+    cases.append((["export", "--checkpoint", str(tmp_path / "ck"), "--target", str(other), "--out", str(tmp_path / "o")],
+                  f"tlt-verl: checkpoint drafter does not fit target {other}: vocab_size=96, the target implies 128"))
+    for argv, want in cases:
+        rc, io = _cli(capsys, "drafter", *argv)
+        assert rc == 1 and io.err == want + "\n", (argv, io.err)
+        assert not (tmp_path / "o").exists()
+    # The good case: the checkpoint exports to a folder that loads strictly, weights intact.
+    rc, io = _cli(capsys, "drafter", "export", "--checkpoint", str(tmp_path / "ck"), "--target", str(tdir),
+                  "--out", str(tmp_path / "x"), "--layout", "sglang")
+    assert rc == 0, io.err
+    back = load_drafter(tmp_path / "x", target.config, *target_tensors(target))
+    assert _same(_weights(tr), back.state_dict())
+    # As a command: one line on stderr, no traceback.
+    p = subprocess.run([sys.executable, "-m", "tlt_verl.cli", "drafter", "export", "--checkpoint", str(tmp_path / "nope"),
+                        "--target", str(tdir), "--out", str(tmp_path / "o")], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 1 and p.stderr == f"tlt-verl: checkpoint directory {tmp_path / 'nope'}: not found\n", p.stderr
+
+
+@pytest.mark.slow
+def test_warmup_on_the_sft_model_raises_agreement(assets, tmp_path):
+    from tlt_verl.drafter.export import load_drafter
+    from tlt_verl.drafter.warmup import WarmupConfig, run_warmup
+
+    cfg = WarmupConfig(target=str(assets["model"]), out=str(tmp_path / "d"), num_prompts=24, max_new_tokens=160,
+                       budget_s=20, trainer=TrainerConfig(lr=1e-3, warmup_steps=5, total_steps=60,
+                                                          tokens_per_micro=1024, row_len=512))
+    lines = []
+    report = run_warmup(cfg, log=lines.append)
+    t = report["training"]
+    assert t["steps"] >= 5 and t["last_loss"] < t["first_loss"]
+    assert t["top1_agreement_after"] > t["top1_agreement_before"] + 0.1, t
+    assert any(line.startswith("warmup: step 1 loss") for line in lines)
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(assets["model"])
+    load_drafter(tmp_path / "d", target.config, *target_tensors(target))       # strict: what engines get
+    assert load_latest(tmp_path / "d" / "checkpoints").step == t["steps"]

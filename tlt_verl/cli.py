@@ -1,4 +1,4 @@
-"""`tlt-verl` (also `./tlt`): run the embedded default, prepare assets, benchmark."""
+"""`tlt-verl` (also `./tlt`): run the embedded default, prepare assets, benchmark, warm up / export a drafter."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,51 @@ def _prepare(args) -> int:
     return 0
 
 
+def _drafter(args) -> int:
+    # Bad input (a missing folder, a drafter that does not fit the target, a corrupt
+    # checkpoint) surfaces as ValueError / OSError with a one-line message.
+    try:
+        if args.drafter_cmd == "warmup":
+            from tlt_verl.drafter.warmup import WarmupConfig, run_warmup
+
+            run_warmup(WarmupConfig(target=args.target, out=args.out, kind=args.kind, init=args.init,
+                                    budget_s=args.budget_s, max_steps=args.max_steps, num_prompts=args.prompts,
+                                    max_new_tokens=args.max_new_tokens, generator=args.generator,
+                                    layout=args.layout))
+        else:
+            from tlt_verl.drafter.warmup import export_checkpoint
+
+            out = export_checkpoint(args.checkpoint, args.target, args.out, layout=args.layout)
+            print(f"tlt-verl: drafter exported to {out}")
+    except (ValueError, OSError) as e:
+        print(f"tlt-verl: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_drafter_parser(sub) -> None:
+    d = sub.add_parser("drafter", help="offline drafter warm-up and export")
+    dsub = d.add_subparsers(dest="drafter_cmd", required=True)
+    w = dsub.add_parser("warmup", help="train a drafter on the target's own responses to task prompts")
+    w.add_argument("--target", required=True, help="HF target model directory")
+    w.add_argument("--out", required=True, help="output folder (exported drafter + checkpoints)")
+    w.add_argument("--kind", choices=["eagle", "eagle3"], default="eagle")
+    w.add_argument("--budget-s", type=float, default=600.0, help="training wall-clock budget")
+    w.add_argument("--max-steps", type=int, default=None)
+    w.add_argument("--init", default=None, help="an existing EAGLE drafter folder to start from")
+    w.add_argument("--prompts", type=int, default=256)
+    w.add_argument("--max-new-tokens", type=int, default=1024)
+    w.add_argument("--generator", choices=["hf", "vllm"], default="hf")
+    w.add_argument("--layout", choices=["vllm", "sglang"], default="vllm")
+    w.set_defaults(fn=_drafter)
+    e = dsub.add_parser("export", help="export the newest good checkpoint as an engine drafter folder")
+    e.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    e.add_argument("--target", required=True, help="HF target model directory")
+    e.add_argument("--out", required=True)
+    e.add_argument("--layout", choices=["vllm", "sglang"], default="vllm")
+    e.set_defaults(fn=_drafter)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
@@ -48,6 +93,7 @@ def main(argv=None) -> int:
     pr.add_argument("--root", default=None)
     pr.add_argument("--force", action="store_true")
     pr.set_defaults(fn=_prepare)
+    _add_drafter_parser(sub)
     args = p.parse_args(argv)
     if getattr(args, "steps", 1) < 1:
         p.error("--steps must be >= 1")

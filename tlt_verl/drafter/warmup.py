@@ -1,0 +1,269 @@
+"""Offline drafter warm-up before RL: train on the target's own responses to task prompts.
+
+    responses = target.generate(task prompts)          vLLM (the rollout engine) or HF generate
+    features  = one HF forward over prompt + response  (capture.hf_capture, as the actor pass)
+    DataBuffer(step 0) -> DrafterTrainer under a wall-clock / step budget -> export_drafter
+
+The responses must be sampled from the target itself (temperature 1 by default, as in the RL
+rollout): a drafter learns to predict the distribution it is trained on, and RL will ask it to
+predict this target's. A held-out slice measures top-1 agreement between the drafter's first
+draft token and the target's greedy next token, before and after.
+
+Written into ``out``: the exported drafter (``config.json`` + ``model.safetensors``, what an
+engine loads), ``checkpoints/`` (the trainer state, resumable, for ``tlt-verl drafter export``)
+and ``warmup_report.json``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from tlt_verl.capture import BufferConfig, DataBuffer, capture_samples
+
+from . import build_drafter, target_tensors
+from .checkpoint import CheckpointManager, load_latest
+from .config import KINDS, DrafterConfig
+from .export import LAYOUTS, export_drafter, load_drafter, read_drafter_config
+from .packing import pack
+from .trainer import DrafterTrainer, TrainerConfig
+
+GENERATORS = ("hf", "vllm")
+
+
+def _default_trainer() -> TrainerConfig:
+    return TrainerConfig(lr=1e-3, warmup_steps=10, total_steps=400, tokens_per_micro=4096, row_len=2048)
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    target: str
+    out: str
+    kind: str = "eagle"
+    init: str | None = None            # an EAGLE folder to start from (warm start)
+    budget_s: float = 600.0            # training wall clock (generation and capture excluded)
+    max_steps: int | None = None
+    num_prompts: int = 256
+    prompt_seed: int = 7               # not the task's train/val seeds: no overlap with RL data
+    max_new_tokens: int = 1024
+    temperature: float = 1.0
+    generator: str = "hf"
+    gen_batch: int = 64
+    eval_fraction: float = 0.1
+    layout: str = "vllm"
+    log_every: int = 10
+    trainer: TrainerConfig = field(default_factory=_default_trainer)
+
+    def __post_init__(self):
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise ValueError(f"WarmupConfig.{msg}")
+
+        need(self.kind in KINDS, f"kind={self.kind!r}: must be one of {', '.join(KINDS)}")
+        need(self.generator in GENERATORS, f"generator={self.generator!r}: must be one of {', '.join(GENERATORS)}")
+        need((self.layout, self.kind) in LAYOUTS, f"layout={self.layout!r}: must be vllm or sglang")
+        need(self.budget_s > 0, f"budget_s={self.budget_s}: must be > 0")
+        need(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps}: must be >= 1")
+        need(self.num_prompts >= 2, f"num_prompts={self.num_prompts}: must be >= 2")
+        need(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        need(self.temperature >= 0, f"temperature={self.temperature}: must be >= 0")
+        need(0 <= self.eval_fraction < 1, f"eval_fraction={self.eval_fraction}: must be in [0, 1)")
+        need(self.log_every >= 1, f"log_every={self.log_every}: must be >= 1")
+
+
+def check_model_dir(path: str | Path, what: str) -> Path:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{what}={p}: no such model directory (no config.json)")
+    return p
+
+
+# ---------------------------------------------------------------------------- generation
+
+def task_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+    from tlt_verl.task.longtail import generate_problems
+    from tlt_verl.task.sft import prompt_text
+
+    texts = [prompt_text(p.prompt) for p in generate_problems(n, seed)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def generate_hf(model, tokenizer, prompts: list[list[int]], cfg: WarmupConfig) -> list[list[int]]:
+    from transformers import GenerationConfig
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    sampling = (dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.temperature > 0
+                else dict(do_sample=False))
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampling)
+    torch.manual_seed(cfg.prompt_seed)
+    out: list[list[int]] = []
+    for b in range(0, len(prompts), cfg.gen_batch):
+        chunk = prompts[b: b + cfg.gen_batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        new = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)[:, width:].tolist()
+        for seq in new:
+            out.append(seq[: seq.index(eos) + 1] if eos in seq else seq)
+    return out
+
+
+def generate_vllm(target_dir: Path, prompts: list[list[int]], cfg: WarmupConfig) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    from tlt_verl.rollout.engine.offline import offline_llm
+
+    llm = offline_llm(str(target_dir))
+    params = SamplingParams(temperature=cfg.temperature, top_k=0 if cfg.temperature > 0 else -1, top_p=1.0,
+                            max_tokens=cfg.max_new_tokens, seed=cfg.prompt_seed)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def top1_agreement(drafter, samples) -> float:
+    """Fraction of response slots where the drafter's first draft token is the target's greedy
+    next token (what greedy verification would accept at depth 1)."""
+    hits = total = 0
+    was_training = drafter.training
+    drafter.eval()
+    head = drafter.target.lm_head_weight
+    for s in samples:
+        b = pack([s.aligned()], s.length - 1)
+        out = drafter(b["input_ids"], b["hidden"], b.position_ids)
+        sel = b["loss_mask"] > 0
+        want = (b["target_hidden"].to(head.dtype)[sel] @ head.T).argmax(-1)
+        if drafter.cfg.kind == "eagle":
+            got = (out[sel] @ head.T).argmax(-1)
+        else:
+            got = drafter.draft_to_target[drafter.lm_head(out[sel]).argmax(-1)]
+        hits += int((got == want).sum())
+        total += int(sel.sum())
+    drafter.train(was_training)
+    return hits / max(total, 1)
+
+
+# ---------------------------------------------------------------------------- the warm-up
+
+def run_warmup(cfg: WarmupConfig, log: Callable[[str], None] = print) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from transformers import AutoConfig
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
+    target_dir = check_model_dir(cfg.target, "--target")
+    # Everything checkable from configs is checked before any weights load or tokens are sampled.
+    target_config = AutoConfig.from_pretrained(target_dir)
+    dcfg = DrafterConfig.from_target(target_config, kind=cfg.kind)
+    if cfg.init is not None:
+        init_kind = read_drafter_config(check_model_dir(cfg.init, "--init"), target_config).kind
+        if init_kind != cfg.kind:
+            raise ValueError(f"--init {cfg.init}: is an {init_kind} drafter, but --kind {cfg.kind}")
+    out = Path(cfg.out)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tensors = target_tensors(target)
+    if cfg.init is not None:
+        drafter = load_drafter(cfg.init, target.config, *tensors, warm_start=True)
+    else:
+        torch.manual_seed(0)
+        drafter = build_drafter(dcfg, *tensors)
+    report: dict = {"config": {**asdict(cfg), "trainer": cfg.trainer.to_dict()}}
+
+    t0 = time.perf_counter()
+    prompts = task_prompts(tokenizer, cfg.num_prompts, cfg.prompt_seed)
+    gen = generate_vllm(target_dir, prompts, cfg) if cfg.generator == "vllm" else generate_hf(target, tokenizer, prompts, cfg)
+    lengths = sorted(map(len, gen))
+    report["generation"] = {"generator": cfg.generator, "seconds": round(time.perf_counter() - t0, 1),
+                            "responses": len(gen), "response_tokens": sum(lengths),
+                            "len_p50": lengths[len(lengths) // 2], "len_max": lengths[-1]}
+    log(f"warmup: generated {len(gen)} responses ({sum(lengths)} tokens, p50 {lengths[len(lengths) // 2]}, "
+        f"max {lengths[-1]}) with {cfg.generator} in {report['generation']['seconds']}s")
+
+    t0 = time.perf_counter()
+    keep = [i for i, r in enumerate(gen) if r]
+    recs = capture_samples(target, [prompts[i] + gen[i] for i in keep], [len(prompts[i]) for i in keep],
+                           aux_layer_ids=drafter.cfg.aux_layer_ids, pad_id=tokenizer.pad_token_id or 0)
+    n_eval = int(len(recs) * cfg.eval_fraction)
+    buffer = DataBuffer(BufferConfig(kind=cfg.kind, budget_bytes=1 << 34))
+    for r in recs[n_eval:]:
+        buffer.add(0, r["input_ids"], r["loss_mask"], r["final_hidden"], r["aux_hidden"])
+    held = DataBuffer(BufferConfig(kind=cfg.kind, budget_bytes=1 << 34))
+    for r in recs[:n_eval]:
+        held.add(0, r["input_ids"], r["loss_mask"], r["final_hidden"], r["aux_hidden"])
+    eval_samples = [held.get(i) for i in held.ids()]
+    report["capture"] = {"seconds": round(time.perf_counter() - t0, 1), "train_samples": len(buffer),
+                         "eval_samples": len(eval_samples), "buffer_bytes": buffer.memory_bytes}
+    log(f"warmup: captured hidden states of {len(recs)} samples in {report['capture']['seconds']}s "
+        f"({buffer.memory_bytes / 2**20:.1f} MiB buffered, {len(eval_samples)} held out)")
+
+    before = top1_agreement(drafter, eval_samples) if eval_samples else None
+    trainer = DrafterTrainer(drafter, buffer, cfg.trainer)
+    deadline = time.monotonic() + cfg.budget_s
+
+    def progress(step: int, m: dict) -> None:
+        if step % cfg.log_every == 0 or step == 1:
+            log(f"warmup: step {step} loss {m['loss']:.4f} lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} "
+                f"{m['step_s']:.2f}s/step")
+
+    log(f"warmup: training the {cfg.kind} drafter for up to {cfg.budget_s:g}s"
+        + (f" / {cfg.max_steps} steps" if cfg.max_steps else ""))
+    result = trainer.train(stop=lambda: time.monotonic() >= deadline, max_steps=cfg.max_steps, on_step=progress)
+    after = top1_agreement(drafter, eval_samples) if eval_samples else None
+    hist = result.history
+    report["training"] = {
+        "steps": result.steps, "seconds": round(result.seconds, 1),
+        "first_loss": hist[0]["loss"] if hist else None, "last_loss": hist[-1]["loss"] if hist else None,
+        "top1_agreement_before": before, "top1_agreement_after": after,
+    }
+    if before is not None:
+        log(f"warmup: {result.steps} steps in {result.seconds:.1f}s; held-out top-1 agreement "
+            f"{before:.3f} -> {after:.3f}")
+
+    CheckpointManager(out / "checkpoints").save({**trainer.state_dict(), "buffer": buffer.state_dict()}, trainer.step)
+    export_drafter(drafter, out, engine=cfg.layout)
+    (out / "warmup_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    log(f"warmup: drafter written to {out} ({cfg.layout} layout)")
+    return report
+
+
+# ---------------------------------------------------------------------------- export
+
+def export_checkpoint(checkpoint_dir: str | Path, target_dir: str | Path, out: str | Path,
+                      layout: str = "vllm") -> Path:
+    """Export the newest good checkpoint in ``checkpoint_dir`` as an engine folder for
+    ``target_dir``'s model."""
+    from transformers import AutoConfig
+
+    target_dir = check_model_dir(target_dir, "--target")
+    loaded = load_latest(checkpoint_dir)
+    d = loaded.state.get("drafter_config")
+    if d is None:
+        raise ValueError(f"checkpoint {loaded.path}: holds no drafter_config (not a drafter checkpoint)")
+    saved = DrafterConfig(**{**d, "aux_layer_ids": tuple(d["aux_layer_ids"])})
+    if (layout, saved.kind) not in LAYOUTS:
+        raise ValueError(f"--layout {layout!r}: must be vllm or sglang")
+    tc = AutoConfig.from_pretrained(target_dir)
+    fits = DrafterConfig.from_target(tc, kind=saved.kind, aux_layer_ids=saved.aux_layer_ids or None,
+                                     draft_vocab_size=saved.draft_vocab_size, attention_bias=saved.attention_bias)
+    diff = [k for k in asdict(saved) if getattr(saved, k) != getattr(fits, k)
+            and k not in ("max_position_embeddings",)]
+    if diff:
+        k = diff[0]
+        raise ValueError(f"checkpoint drafter does not fit target {target_dir}: {k}={getattr(saved, k)!r}, "
+                         f"the target implies {getattr(fits, k)!r}")
+    # Export writes the drafter's own weights only; stride-0 stand-ins of the right shape
+    # satisfy the shape checks without loading the target's (possibly huge) embedding.
+    stand_in = torch.zeros(1, saved.hidden_size).expand(saved.vocab_size, saved.hidden_size)
+    drafter = build_drafter(saved, stand_in, stand_in)
+    drafter.load_state_dict(loaded.state["drafter"])
+    return export_drafter(drafter, out, engine=layout)
