@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=48, help="generated tokens per request")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--model", default=None, help="target folder (default: the task's SFT model via prepare); "
+                    "only its architecture matters for the cost side")
     ap.add_argument("--acceptance", default="0.5,0.7,0.8", help="per-token acceptance rates to model")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -127,8 +129,7 @@ def main(argv=None) -> int:
     from tlt_verl.rollout.engine.offline import offline_llm
     from tlt_verl.task.prepare import prepare
 
-    paths = prepare(REPO / ".cache/tlt/assets")
-    model = Path(paths["model"])
+    model = Path(args.model) if args.model else Path(prepare(REPO / ".cache/tlt/assets")["model"])
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     work = Path(tempfile.mkdtemp(prefix="sd_threshold-"))
     drafter = _random_drafter(model, work / "drafter")

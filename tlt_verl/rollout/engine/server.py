@@ -141,6 +141,31 @@ class VllmServer:
             self.global_steps = global_steps
         return digests[0]
 
+    # ---- adaptive speculative decoding (patches/vllm_sd/runtime.py, drafter_push.py) ---------
+
+    async def set_sd_schedule(self, schedule: list) -> list:
+        """Replace the engine's running batch size -> k schedule (list of (start, end, k))."""
+        from tlt_verl.rollout.engine.sd_control import set_sd_schedule_async
+
+        return await set_sd_schedule_async(self.engine, schedule)
+
+    async def take_sd_metrics(self) -> list[dict[str, Any]]:
+        """The engine's per-step SD records since the last call (StepMetric fields)."""
+        from tlt_verl.rollout.engine.sd_control import take_sd_metrics_async
+
+        return [vars(m) for m in await take_sd_metrics_async(self.engine)]
+
+    async def update_drafter_from_file(self, path: str) -> str:
+        """Hot-swap the drafter's weights; checked here first, since a failed RPC kills the engine."""
+        from tlt_verl.rollout.engine.drafter_push import DrafterManifest, push_drafter_async
+
+        if getattr(self, "_drafter_manifest", None) is None:
+            spec = self.engine.vllm_config.speculative_config
+            if spec is None or not spec.model:
+                raise ValueError("update_drafter_from_file: this engine runs no drafter (no speculative_config)")
+            self._drafter_manifest = DrafterManifest.from_folder(spec.model)
+        return await push_drafter_async(self.engine, self._drafter_manifest, path)
+
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 

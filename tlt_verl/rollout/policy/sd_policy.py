@@ -14,9 +14,11 @@ from typing import Any, Iterable, Mapping
 
 from tlt_verl.rollout.policy.bandit import BanditConfig, BucketedEpsilonGreedy
 
-# Running batch above which SD is off. From bench/sd_threshold.py on this project's 2-core CPU
-# box (bench/results/sd_threshold.json): the largest batch at which SD with an assumed 0.7
-# per-token acceptance beats plain decoding of the tiny SFT target.
+# Running batch above which SD is off. Provisional: bench/sd_threshold.py is the measurement meant
+# to set it, but its only run so far (bench/results/sd_threshold.json) ran its plain-decoding half
+# under a load average of ~10 on the 2 shared cores (160-990 ms a step), so its "64" is an artifact.
+# 16 sits between what the earlier probe saw (SD pays at batch 1, loses at 32 on a tiny model) and
+# the reference default of 32; below it the bandit's k=0 arm can still turn SD off.
 DEFAULT_THRESHOLD = 16
 
 
