@@ -66,6 +66,8 @@ def eagle3_loss(drafter, batch: PackedBatch, cfg: LossConfig) -> tuple[torch.Ten
         step_loss = _masked_mean(ce, mask[sel])
         loss = loss + cfg.step_decay ** j * step_loss
         metrics[f"step{j}_loss"] = step_loss.item()
+        if j == 0:
+            metrics["tokens"] = int(sel.sum())
     metrics["loss"] = loss.item()
     return loss, metrics
 
