@@ -37,10 +37,13 @@ def test_format_and_partial_accuracy(samples):
     scores = [compute_score("tlt_longtail", o.text, r["ground_truth"])["score"]
               for o, r in zip(outs, rows["reward_model"])]
     well_formed = np.mean([s > -1 for s in scores])
-    accuracy = np.mean([s == 1.0 for s in scores])
+    right = np.array([s == 1.0 for s in scores])
+    long = np.array([e["num_steps"] >= 16 for e in rows["extra_info"]])
     assert well_formed >= 0.9, well_formed
-    # Right part of the time (chance is about 1 in 100), with room for RL.
-    assert 0.05 <= accuracy <= 0.9, accuracy
+    # Mostly right on the body (chance is about 1 in 100), with room for RL: it still slips at
+    # temperature 1 and is mostly wrong on the long tail.
+    assert 0.5 <= right.mean() <= 0.97, right.mean()
+    assert long.sum() >= 5 and right[long].mean() <= 0.5, (long.sum(), right[long].mean())
 
 
 def test_response_lengths_long_tailed_like_the_data(samples):

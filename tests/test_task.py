@@ -313,7 +313,7 @@ def test_prepare_builds_once_then_caches(tmp_path, monkeypatch):
     again = prepare_mod.prepare(tmp_path, settings=settings, log=quiet)
     assert {s["status"] for s in again["report"].values()} == {"cached"} and len(calls) == 1
 
-    changed = prepare_mod.PrepareSettings(n_train=32, n_val=8, sft=sft.SFTConfig(budget_s=1.0))
+    changed = prepare_mod.PrepareSettings(n_train=32, n_val=8, sft=sft.SFTConfig(max_steps=2))
     third = prepare_mod.prepare(tmp_path, settings=changed, log=quiet)
     statuses = {name: s["status"] for name, s in third["report"].items()}
     assert statuses == {"tokenizer": "cached", "data": "cached", "model": "built"} and len(calls) == 2
@@ -322,13 +322,36 @@ def test_prepare_builds_once_then_caches(tmp_path, monkeypatch):
     assert {s["status"] for s in forced["report"].values()} == {"built"} and len(calls) == 3
 
 
-def test_sft_schedule_follows_time_or_step_cap():
-    cfg = sft.SFTConfig(budget_s=100.0, warmup_steps=10, peak_lr=1e-3, min_lr_ratio=0.1)
+def test_sft_schedule_follows_update_count():
+    cfg = sft.SFTConfig(max_steps=100, warmup_steps=10, peak_lr=1e-3, min_lr_ratio=0.1)
     assert sft.lr_at(0, 0.0, cfg) == pytest.approx(1e-4)
     assert sft.lr_at(50, 0.0, cfg) == pytest.approx(1e-3)
     assert sft.lr_at(50, 0.5, cfg) == pytest.approx(0.55e-3)
     assert sft.lr_at(50, 1.0, cfg) == pytest.approx(1e-4)
-    assert sft.progress(0, 50.0, cfg) == pytest.approx(0.5)
-    capped = sft.SFTConfig(budget_s=100.0, max_steps=40)
-    assert sft.progress(30, 10.0, capped) == pytest.approx(0.75)
-    assert sft.progress(40, 10.0, capped) == 1.0
+    assert sft.progress(0, cfg) == 0.0
+    assert sft.progress(75, cfg) == pytest.approx(0.75)
+    assert sft.progress(100, cfg) == 1.0 and sft.progress(150, cfg) == 1.0
+
+
+def test_stratified_train_order_gives_every_batch_the_same_length_mix(tmp_path):
+    n, batch = 256, 16
+    path = write_parquet(tmp_path / "train.parquet", n, seed=5, split="train", batch_size=batch)
+    rows = read_rows(path)
+    problems = list(generate_problems(n, 5))
+    # Same problems, each exactly once, each row pointing back at its place in the stream.
+    assert sorted(r["extra_info"]["index"] for r in rows) == list(range(n))
+    for r in rows:
+        assert r["reward_model"]["ground_truth"] == str(problems[r["extra_info"]["index"]].answer)
+    steps = [r["extra_info"]["num_steps"] for r in rows]
+    batches = [steps[b : b + batch] for b in range(0, n, batch)]
+    ranked = sorted(steps)
+    # Batch b holds the b-th problem of every length stratum: its i-th shortest problem lies
+    # between the i-th stratum's bounds, so no batch is all short or holds two of the longest.
+    for lengths in batches:
+        for i, k in enumerate(sorted(lengths)):
+            assert ranked[i * len(batches)] <= k <= ranked[(i + 1) * len(batches) - 1]
+    tails = [sum(k >= longtail.TAIL_MIN_STEPS for k in b) for b in batches]
+    assert max(tails) - min(tails) <= 1 and min(tails) >= 1, tails
+    # Unstratified order (the default) keeps the generated stream.
+    plain = read_rows(write_parquet(tmp_path / "plain.parquet", n, seed=5, split="train"))
+    assert [r["extra_info"]["index"] for r in plain] == list(range(n))

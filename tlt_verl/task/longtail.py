@@ -138,13 +138,39 @@ def to_row(problem: Problem, split: str, index: int) -> dict[str, Any]:
     }
 
 
-def write_parquet(path: str | Path, n: int, seed: int, split: str) -> Path:
-    """Write ``n`` problems as a verl RL parquet file and return its path."""
+def stratified_order(problems: list[Problem], batch_size: int, seed: int) -> list[int]:
+    """An order in which every consecutive ``batch_size`` problems span the whole length range.
+
+    Problems are sorted by step count and dealt like cards into ``len // batch_size`` batches,
+    so each batch gets one problem from each length stratum (one tail problem, a few mid, many
+    short). Read in this order (the recipe sets ``data.shuffle=False``), every RL step sees the
+    same mix: the reward curve then shows the policy changing rather than which prompts a step
+    happened to draw, and every step has its long tail. Leftover problems go last.
+    """
+    rng = random.Random(seed)
+    by_length = sorted(range(len(problems)), key=lambda i: (problems[i].num_steps, rng.random()))
+    n_batches = len(problems) // batch_size
+    dealt = by_length[: n_batches * batch_size]
+    batches = [dealt[b::n_batches] for b in range(n_batches)]
+    rng.shuffle(batches)
+    for batch in batches:
+        rng.shuffle(batch)
+    return [i for batch in batches for i in batch] + by_length[n_batches * batch_size :]
+
+
+def write_parquet(path: str | Path, n: int, seed: int, split: str, batch_size: int | None = None) -> Path:
+    """Write ``n`` problems as a verl RL parquet file and return its path.
+
+    With ``batch_size``, rows are in :func:`stratified_order`; ``extra_info.index`` keeps each
+    problem's place in the generated stream either way.
+    """
     import pandas as pd
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [to_row(p, split, i) for i, p in enumerate(generate_problems(n, seed))]
+    problems = list(generate_problems(n, seed))
+    order = stratified_order(problems, batch_size, seed) if batch_size else range(n)
+    rows = [to_row(problems[i], split, i) for i in order]
     pd.DataFrame(rows).to_parquet(path, index=False)
     return path
 

@@ -35,6 +35,9 @@ VAL_SEED = 2
 class PrepareSettings:
     n_train: int = 2048
     n_val: int = 128
+    # Rows of the train split come in batches of this many prompts with the same length mix
+    # (longtail.stratified_order); it must equal the recipe's data.train_batch_size.
+    train_batch_size: int = 16
     train_seed: int = TRAIN_SEED
     val_seed: int = VAL_SEED
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -67,7 +70,7 @@ def _stage_settings(settings: PrepareSettings) -> dict[str, dict]:
     data = {
         "format": FORMAT_VERSION,
         "generator": _generator_settings(),
-        "train": [settings.n_train, settings.train_seed],
+        "train": [settings.n_train, settings.train_seed, settings.train_batch_size],
         "val": [settings.n_val, settings.val_seed],
     }
     # The model depends on the tokenizer, so its hash covers the tokenizer's settings too.
@@ -150,7 +153,8 @@ def prepare(root: Path, force: bool = False, settings: PrepareSettings | None = 
     tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
 
     def build_data(tmp: Path) -> dict:
-        write_parquet(tmp / "train.parquet", settings.n_train, settings.train_seed, "train")
+        write_parquet(tmp / "train.parquet", settings.n_train, settings.train_seed, "train",
+                      batch_size=settings.train_batch_size)
         write_parquet(tmp / "val.parquet", settings.n_val, settings.val_seed, "test")
         for split in ("train", "val"):
             longtail.read_rows(tmp / f"{split}.parquet")
@@ -270,14 +274,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, required=True, help="directory for all artifacts")
     parser.add_argument("--force", action="store_true", help="rebuild every stage even if up to date")
-    parser.add_argument("--sft-budget", type=float, default=None, help="SFT wall-clock budget in seconds")
+    parser.add_argument("--sft-steps", type=int, default=None, help="SFT updates (default: SFTConfig.max_steps)")
     parser.add_argument("--eval", type=int, default=0, metavar="N",
                         help="after preparing, evaluate the SFT model on N val prompts at T=1 and T=0")
     args = parser.parse_args(argv)
 
     settings = PrepareSettings()
-    if args.sft_budget is not None:
-        settings = replace(settings, sft=replace(settings.sft, budget_s=args.sft_budget))
+    if args.sft_steps is not None:
+        settings = replace(settings, sft=replace(settings.sft, max_steps=args.sft_steps))
 
     start = time.perf_counter()
     paths = prepare(args.root, force=args.force, settings=settings)
