@@ -18,7 +18,6 @@ back to the next older one.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tlt_verl.utils.files import sha256_file
 
 FORMAT = 1
 TMP_MARK = ".tmp-"
@@ -51,12 +52,6 @@ def snapshot(state: Any) -> Any:
     return state
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -154,7 +149,7 @@ class CheckpointManager:
         data = self.dir / f"{stem}.pt"
         _write_atomically(data, lambda f: torch.save(state, f))
         manifest = {"format": FORMAT, "step": step, "file": data.name, "bytes": data.stat().st_size,
-                    "sha256": _sha256(data), "written_ns": time.time_ns()}
+                    "sha256": sha256_file(data), "written_ns": time.time_ns()}
         _write_atomically(self.dir / f"{stem}.json",
                           lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
         _fsync_dir(self.dir)
@@ -187,7 +182,7 @@ def verify(manifest_path: Path) -> tuple[Path, dict]:
         raise CheckpointError(f"checkpoint {manifest_path}: format {m.get('format')!r}, expected {FORMAT}")
     if not data.exists():
         raise CheckpointError(f"checkpoint {data}: missing")
-    if data.stat().st_size != want_bytes or _sha256(data) != want_sha:
+    if data.stat().st_size != want_bytes or sha256_file(data) != want_sha:
         raise CheckpointError(f"checkpoint {data}: sha256 does not match its manifest (corrupt or truncated)")
     return data, m
 

@@ -5,11 +5,11 @@ safetensors file written by the server adapter.
 """
 from __future__ import annotations
 
-import hashlib
 
 from safetensors.torch import load_file
 
 from tlt_verl.rollout.engine.drafter_reload import DrafterExtension
+from tlt_verl.utils.files import sha256_file
 
 
 class TLTWorkerExtension(DrafterExtension):
@@ -21,12 +21,6 @@ class TLTWorkerExtension(DrafterExtension):
         """
         state = load_file(path)
         self.model_runner.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)
-        return _digest(path)
+        return sha256_file(path)
 
 
-def _digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
