@@ -5,7 +5,6 @@ safetensors file written by the server adapter.
 """
 from __future__ import annotations
 
-
 from safetensors.torch import load_file
 
 from tlt_verl.rollout.engine.drafter_reload import DrafterExtension
