@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from tlt_verl.rollout.engine.spec_metrics import counter_delta, spec_decode_counters
+
 REPO = Path(__file__).resolve().parents[1]
 K = 3
 KINDS = ("eagle", "eagle3")
@@ -55,23 +57,6 @@ def task_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
 # ---------------------------------------------------------------------------- engine side
 
 ENGINE = dict(skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=32768)
-
-
-def _counters(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode_num_"):
-            key = m.name.removeprefix("vllm:spec_decode_num_")
-            out[key] = list(m.values) if hasattr(m, "values") else m.value
-    return out
-
-
-def _delta(after: dict, before: dict) -> dict:
-    out = {}
-    for key, value in after.items():
-        prev = before.get(key, [0] * len(value) if isinstance(value, list) else 0)
-        out[key] = [a - b for a, b in zip(value, prev)] if isinstance(value, list) else value - prev
-    return out
 
 
 def acceptance(c: dict) -> dict:
@@ -132,9 +117,9 @@ def phase_measure(spec: dict) -> dict:
                 push_drafter(llm, manifest, Path(snap) / "model.safetensors")
             row = {"snapshot": snap}
             for name, params in (("T0", greedy), ("T1", sampled)):
-                before, t = _counters(llm), time.time()
+                before, t = spec_decode_counters(llm.get_metrics()), time.time()
                 tokens = _generate(llm, prompts, params)
-                row[name] = acceptance(_delta(_counters(llm), before))
+                row[name] = acceptance(counter_delta(spec_decode_counters(llm.get_metrics()), before))
                 row[name]["seconds"] = round(time.time() - t, 2)
                 row[name]["tokens"] = sum(map(len, tokens))
                 if name == "T0":

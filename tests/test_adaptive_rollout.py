@@ -21,6 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tlt_verl.rollout.policy import AdaptiveSDPolicy, BanditConfig, BucketedEpsilonGreedy, SDPolicyConfig, StepMetric
+from tlt_verl.rollout.engine.spec_metrics import counter_delta, spec_decode_counters
 
 K = 3
 MAX_SEQS = 8
@@ -146,16 +147,7 @@ def test_policy_learns_from_steps_and_skips_unsteady_ones():
 def _counters() -> dict:
     from vllm.v1.metrics.reader import get_metrics_snapshot
 
-    out = {}
-    for m in get_metrics_snapshot():
-        if m.name.startswith("vllm:spec_decode_num_"):
-            out[m.name.removeprefix("vllm:spec_decode_num_")] = list(m.values) if hasattr(m, "values") else m.value
-    return out
-
-
-def _delta(after, before):
-    return {k: ([a - b for a, b in zip(v, before.get(k, [0] * len(v)))] if isinstance(v, list) else v - before.get(k, 0))
-            for k, v in after.items()}
+    return spec_decode_counters(get_metrics_snapshot())
 
 
 async def _scenario(target: str, drafter: str, random_drafter: str, bad: dict[str, str], alt_target: str) -> dict:
@@ -209,7 +201,7 @@ async def _scenario(target: str, drafter: str, random_drafter: str, bad: dict[st
         tokens = await asyncio.gather(*tasks)
         res["timings"][name] = time.time() - t
         await asyncio.sleep(0.3)  # let the last stats reach the Prometheus logger
-        res.setdefault("counters", {})[name] = _delta(_counters(), before)
+        res.setdefault("counters", {})[name] = counter_delta(_counters(), before)
         res.setdefault("steps", {})[name] = [vars(m) for m in await sd_control.take_sd_metrics_async(engine)]
         res.setdefault("tokens", {})[name] = tokens
         return tokens

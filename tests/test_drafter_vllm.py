@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tlt_verl.rollout.engine.spec_metrics import mean_acceptance_length, spec_decode_counters
+
 K = 3
 N_PROMPTS = 8
 MAX_TOKENS = 96
@@ -28,14 +30,6 @@ KINDS = ("eagle", "eagle3")
 
 
 # ---------------------------------------------------------------------------- engine side
-
-def _counters(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode_num_"):
-            out[m.name.removeprefix("vllm:spec_decode_num_")] = list(m.values) if hasattr(m, "values") else m.value
-    return out
-
 
 def _engines(target: str, drafters: dict[str, str], prompts: list[list[int]]) -> dict:
     from vllm import SamplingParams
@@ -52,7 +46,7 @@ def _engines(target: str, drafters: dict[str, str], prompts: list[list[int]]) ->
         try:
             res["timings"][f"{name}_start"] = round(time.time() - t, 1)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-            res[name] = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "counters": _counters(llm)}
+            res[name] = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "counters": spec_decode_counters(llm.get_metrics())}
             res["timings"][name] = round(time.time() - t, 1)
         finally:
             llm.llm_engine.engine_core.shutdown()
@@ -126,7 +120,7 @@ def engines(target, drafters, tmp_path_factory):
 def test_exported_drafter_serves_in_vllm_greedy_identical(engines, kind):
     ref, sd = engines["no_sd"]["tokens"], engines[kind]["tokens"]
     c = engines[kind]["counters"]
-    acc_len = 1 + c["accepted_tokens"] / max(c["drafts"], 1)
+    acc_len = mean_acceptance_length(c)
     print(f"\n[drafter_vllm] {kind}: drafts {c['drafts']} accepted {c['accepted_tokens']} "
           f"per position {c['accepted_tokens_per_pos']} -> mean acceptance length {acc_len:.2f}")
     assert len(sd) == len(ref) == N_PROMPTS

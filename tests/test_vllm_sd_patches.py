@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tlt_verl.rollout.engine.spec_metrics import counter_delta, spec_decode_counters
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 K = 3  # speculative tokens
@@ -51,23 +53,6 @@ def _prompts():
 
     g = torch.Generator().manual_seed(0)
     return [torch.randint(2, 128, (PROMPT_LEN,), generator=g).tolist() for _ in range(N_PROMPTS)]
-
-
-def _spec_counters(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode_num_"):
-            key = m.name.removeprefix("vllm:spec_decode_num_")
-            out[key] = list(m.values) if hasattr(m, "values") else m.value
-    return out
-
-
-def _delta(after: dict, before: dict) -> dict:
-    out = {}
-    for key, value in after.items():
-        prev = before.get(key, 0 if not isinstance(value, list) else [0] * len(value))
-        out[key] = [a - b for a, b in zip(value, prev)] if isinstance(value, list) else value - prev
-    return out
 
 
 def _generate(llm, prompts, params):
@@ -101,10 +86,10 @@ def run_engine(target: str, drafter: str | None, reference_greedy: bool) -> dict
     result["timings"]["sd_engine_start"] = time.time() - t0
     try:
         def phase(name, prompts_, params):
-            before, t = _spec_counters(llm), time.time()
+            before, t = spec_decode_counters(llm.get_metrics()), time.time()
             tokens = _generate(llm, prompts_, params)
             result["timings"][name] = time.time() - t
-            result.setdefault("counters", {})[name] = _delta(_spec_counters(llm), before)
+            result.setdefault("counters", {})[name] = counter_delta(spec_decode_counters(llm.get_metrics()), before)
             return tokens
 
         if reference_greedy:
