@@ -299,9 +299,13 @@ def test_chi_square_does_not_reject_exact_distribution(fixed):
 def test_statistics_reject_without_temperature_fix(unfixed):
     result, stats = unfixed
     _report("temperature fix off", result, stats)
-    for t in TEMPERATURES:
-        assert abs(stats[f"logprob_{t}"]["z"]) > Z_LIMIT, stats[f"logprob_{t}"]
+    # Without the fix the temperatures come from uninitialised memory, so how wrong a run is
+    # varies (z from -27 to +6 over three runs, once +2.0 at T=1): the chi-square rejects every
+    # time, and the log-prob check must reject at one temperature at least, so the lossless
+    # tests as a whole fail without the fix.
     assert stats["chi2"]["p_value"] < ALPHA, stats["chi2"]
+    zs = {t: stats[f"logprob_{t}"]["z"] for t in TEMPERATURES}
+    assert max(abs(z) for z in zs.values()) > Z_LIMIT, zs
 
 
 def test_lossy_acceptance_options_refused():
