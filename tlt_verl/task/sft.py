@@ -47,9 +47,10 @@ class SFTConfig:
     num_examples: int = 24_000
     data_seed: int = 1_000_003
     model_seed: int = 0
-    # One thread: matrices this small gain little from two, and with another busy process on a
-    # 2-core machine two OpenMP threads fell from ~16 to ~2 updates/s, one thread kept ~10.
-    threads: int = 1
+    # Two threads: 12.4 updates/s against 7.7 for one on an idle 2-core machine. Beside another
+    # busy process, two OpenMP threads fell to ~2 updates/s (one kept ~10): don't train beside
+    # other jobs, or set threads=1.
+    threads: int = 2
     log_every_s: float = 10.0
 
     def to_dict(self) -> dict:
