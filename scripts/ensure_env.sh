@@ -13,13 +13,25 @@ fi
 py="${PYTHON:-python3}"
 "$py" -c 'import sys; assert sys.version_info[:2] == (3, 11), "tlt-verl pins wheels for Python 3.11"' \
   || { echo "tlt-verl: needs Python 3.11 (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
-echo "tlt-verl: creating the environment in $venv (first run only, about 2-3 minutes)..." >&2
+echo "tlt-verl: creating the environment in $venv (first run only, under a minute with uv)..." >&2
 [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
 pip=("$venv/bin/python" -m pip -q --disable-pip-version-check)
-# The CPU build of torch first (machines of this kind carry its wheel locally): anything else
-# asking for torch would otherwise pull a multi-GB CUDA build.
-"${pip[@]}" install "torch==2.13.0"
-"${pip[@]}" install -r "$root/requirements/cpu.txt"
+# uv downloads in parallel and skips byte-compiling: 20 s here against 221 s for pip. It does
+# not read pip's configuration, so pip's find-links (where machines of this kind keep the CPU
+# torch wheel) are passed on; without uv, pip does the same job more slowly.
+links=()
+for d in ${PIP_FIND_LINKS:-$("$venv/bin/python" -m pip config get global.find-links 2>/dev/null || true)}; do
+  links+=(--find-links "$d")
+done
+if "${pip[@]}" install "uv==0.13.9" 2>/dev/null; then
+  install=("$venv/bin/uv" pip install -q --python "$venv/bin/python" "${links[@]}")
+else
+  install=("${pip[@]}" install)
+fi
+# The CPU build of torch first: anything else asking for torch would otherwise pull a
+# multi-GB CUDA build.
+"${install[@]}" "torch==2.13.0"
+"${install[@]}" "torch==2.13.0" -r "$root/requirements/cpu.txt"
 "$venv/bin/python" "$root/scripts/fix_env.py"
 "${pip[@]}" install --no-deps --no-build-isolation -e "$root"
 "$venv/bin/python" -c 'import torch, vllm, verl, tlt_verl; assert torch.version.cuda is None, "a CUDA torch got installed"'

@@ -33,16 +33,28 @@ def samples(assets):
 
 
 def test_format_and_partial_accuracy(samples):
+    from tlt_verl.task.sft import SFTConfig
+
     rows, outs = samples
     scores = [compute_score("tlt_longtail", o.text, r["ground_truth"])["score"]
               for o, r in zip(outs, rows["reward_model"])]
-    well_formed = np.mean([s > -1 for s in scores])
+    well_formed = np.array([s > -1 for s in scores])
     right = np.array([s == 1.0 for s in scores])
     long = np.array([e["num_steps"] >= 16 for e in rows["extra_info"]])
-    assert well_formed >= 0.9, well_formed
-    # Mostly right on the body (chance is about 1 in 100), with room for RL: it still slips at
-    # temperature 1 and is mostly wrong on the long tail.
-    assert 0.5 <= right.mean() <= 0.97, right.mean()
+    # It keeps the noisy teacher's habit of leaving out the answer line about as often as the
+    # teacher did (128 samples: +-0.12 is about three standard errors), and otherwise works
+    # the steps out and stops.
+    omitted = 1 - well_formed.mean()
+    assert abs(omitted - SFTConfig().omit_answer_prob) <= 0.12, omitted
+    for o, ok in zip(outs, well_formed):
+        if not ok and o.finish_reason == "stop":
+            assert o.text.strip().split("\n")[-1].split(":")[0].isdigit(), o.text[-80:]
+    # Right part of the time when it answers (chance is about 1 in 100; measured at T=1: 62%
+    # on <= 3 steps, 44% overall), with room for RL: it still slips at temperature 1 and is
+    # mostly wrong on the long tail.
+    short = np.array([e["num_steps"] <= 3 for e in rows["extra_info"]])
+    assert 0.3 <= right[well_formed].mean() <= 0.97, right[well_formed].mean()
+    assert right[well_formed & short].mean() >= 0.45, right[well_formed & short].mean()
     assert long.sum() >= 5 and right[long].mean() <= 0.5, (long.sum(), right[long].mean())
 
 

@@ -289,6 +289,64 @@ def test_sft_labels_cover_response_and_im_end(hf_tokenizer):
         assert hf_tokenizer.decode(ids[prompt_len:]).startswith("1: ")
 
 
+def test_slipped_demonstrations_carry_the_wrong_value_on():
+    p = make_problem(random.Random(5), num_steps=6)
+    text, value = longtail.worked_solution(p.start, p.operands, slips={3})
+    assert value != p.answer and text.endswith(f"Answer: {value}")
+    lines = text.split("\n")[:-1]
+    assert lines[:2] == p.solution.split("\n")[:2] and lines[2] != p.solution.split("\n")[2]
+    # The slipped line is the one line the reward's partial credit refuses; the rest chain on.
+    assert reward.step_accuracy(text, p.num_steps) == pytest.approx(5 / 6)
+    assert compute_score(longtail.DATA_SOURCE, text, str(p.answer))["acc"] == 0.0
+    assert longtail.worked_solution(p.start, p.operands) == (p.solution, p.answer)
+
+
+def test_noisy_teacher_rates():
+    problems = list(generate_problems(3000, 11))
+    rng = random.Random(0)
+    slipped = sum(sft.demonstration(p, rng, slip_prob=0.08) != p.solution for p in problems)
+    expected = sum(1 - 0.92 ** p.num_steps for p in problems)
+    sd = sum((1 - 0.92 ** p.num_steps) * 0.92 ** p.num_steps for p in problems) ** 0.5
+    assert abs(slipped - expected) < 4 * sd
+    texts = [sft.demonstration(p, rng, omit_answer_prob=0.3) for p in problems]
+    omitted = [t for t, p in zip(texts, problems) if t != p.solution]
+    assert abs(len(omitted) - 900) < 4 * (3000 * 0.3 * 0.7) ** 0.5
+    for text, p in zip(texts, problems):
+        if text != p.solution:  # the worked lines, without the final answer: malformed for the reward
+            assert p.solution.startswith(text + "\nAnswer: ")
+            assert compute_score(longtail.DATA_SOURCE, text, str(p.answer))["score"] == reward.MALFORMED_SCORE
+    assert all(sft.demonstration(p, rng) == p.solution for p in problems[:200])
+
+
+def test_teacher_forced_accuracy_counts_argmax_hits(hf_tokenizer):
+    import torch
+
+    examples = sft.encode_examples(hf_tokenizer, list(generate_problems(6, 4)))
+    _, labels, _ = sft.collate(examples, list(range(6)), hf_tokenizer.pad_token_id)
+    vocab = 320
+
+    class Oracle(torch.nn.Module):
+        """Predicts every label, except in the rows listed in ``wrong`` (one token off)."""
+
+        def __init__(self, wrong):
+            super().__init__()
+            self.wrong = wrong
+
+        def forward(self, input_ids, attention_mask):
+            nxt = labels[:, 1:].clamp(min=0)
+            for row in self.wrong:
+                first = int((labels[row, 1:] != sft.IGNORE_INDEX).nonzero()[0])
+                nxt[row, first] = (nxt[row, first] + 1) % vocab
+            logits = torch.nn.functional.one_hot(nxt, vocab).float()
+            return type("Out", (), {"logits": torch.cat([logits, logits[:, -1:]], dim=1)})
+
+    token_acc, exact = sft.teacher_forced_accuracy(Oracle([]), examples, hf_tokenizer.pad_token_id)
+    assert (token_acc, exact) == (1.0, 1.0)
+    token_acc, exact = sft.teacher_forced_accuracy(Oracle([0, 3]), examples, hf_tokenizer.pad_token_id)
+    n_labels = int((labels[:, 1:] != sft.IGNORE_INDEX).sum())
+    assert exact == pytest.approx(4 / 6) and token_acc == pytest.approx(1 - 2 / n_labels)
+
+
 # --- prepare caching (with a stand-in for SFT) -----------------------------------------------------
 
 
@@ -351,7 +409,10 @@ def test_stratified_train_order_gives_every_batch_the_same_length_mix(tmp_path):
         for i, k in enumerate(sorted(lengths)):
             assert ranked[i * len(batches)] <= k <= ranked[(i + 1) * len(batches) - 1]
     tails = [sum(k >= longtail.TAIL_MIN_STEPS for k in b) for b in batches]
-    assert max(tails) - min(tails) <= 1 and min(tails) >= 1, tails
+    assert max(tails) - min(tails) <= 1 and max(tails) >= 1, tails
+    # Batches without a tail problem (fewer tail problems than batches) come last.
+    has_tail = [t > 0 for t in tails]
+    assert has_tail == sorted(has_tail, reverse=True) and has_tail[0], tails
     # Unstratified order (the default) keeps the generated stream.
     plain = read_rows(write_parquet(tmp_path / "plain.parquet", n, seed=5, split="train"))
     assert [r["extra_info"]["index"] for r in plain] == list(range(n))

@@ -23,7 +23,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator, Sequence
 
 DATA_SOURCE = "tlt_longtail"
 ABILITY = "arithmetic"
@@ -39,7 +39,8 @@ STEP_SHIFT = 3.0
 STEP_ALPHA = 2.4
 BODY_MAX_STEPS = 12
 TAIL_MIN_STEPS = 40
-TAIL_PROB = 0.08
+# One prompt in 16 (the recipe's batch) is a long one.
+TAIL_PROB = 1 / 16
 
 MIN_VALUE = 0
 MAX_VALUE = 99
@@ -102,22 +103,37 @@ def make_problem(rng: random.Random, num_steps: int | None = None) -> Problem:
 
     value = rng.randint(MIN_VALUE, MAX_VALUE)
     start = value
-    operands, lines = [], []
-    for i in range(1, num_steps + 1):
+    operands = []
+    for _ in range(num_steps):
         digit = rng.randint(1, MAX_OPERAND)
         # Only signs that keep the running value inside 0..99 are allowed, so every
         # intermediate stays a 1-2 digit number; at least one sign always fits.
         signs = [s for s in (1, -1) if MIN_VALUE <= value + s * digit <= MAX_VALUE]
         operand = rng.choice(signs) * digit
-        new_value = value + operand
-        lines.append(f"{i}: {operand:+d} {value}{operand:+d}={new_value}")
         operands.append(operand)
-        value = new_value
+        value += operand
 
     steps = " ".join(f"{i}: {op:+d}" for i, op in enumerate(operands, 1))
     prompt = f"{PROMPT_HEADER.format(start=start)} {steps} {PROMPT_FOOTER}"
-    solution = "\n".join(lines + [f"{ANSWER_PREFIX}{value}"])
-    return Problem(start=start, operands=tuple(operands), prompt=prompt, solution=solution, answer=value)
+    solution, answer = worked_solution(start, operands)
+    return Problem(start=start, operands=tuple(operands), prompt=prompt, solution=solution, answer=answer)
+
+
+def worked_solution(start: int, operands: Sequence[int], slips: Collection[int] = ()) -> tuple[str, int]:
+    """The scratchpad for ``start`` and ``operands`` and the value it ends on.
+
+    A step numbered in ``slips`` (1-based) writes a result one too high, or one too low where
+    that would leave 0..99, and the following lines carry on from it: the careless slip of a
+    noisy teacher, whose final answer is then wrong (SFT demonstrations use it, see sft.py).
+    """
+    value, lines = start, []
+    for i, operand in enumerate(operands, 1):
+        new_value = value + operand
+        if i in slips:
+            new_value += 1 if new_value < MAX_VALUE else -1
+        lines.append(f"{i}: {operand:+d} {value}{operand:+d}={new_value}")
+        value = new_value
+    return "\n".join(lines + [f"{ANSWER_PREFIX}{value}"]), value
 
 
 def generate_problems(n: int, seed: int) -> Iterator[Problem]:
@@ -150,9 +166,12 @@ def stratified_order(problems: list[Problem], batch_size: int, seed: int) -> lis
     rng = random.Random(seed)
     by_length = sorted(range(len(problems)), key=lambda i: (problems[i].num_steps, rng.random()))
     n_batches = len(problems) // batch_size
-    dealt = by_length[: n_batches * batch_size]
+    dealt = by_length[: n_batches * batch_size][::-1]
     batches = [dealt[b::n_batches] for b in range(n_batches)]
     rng.shuffle(batches)
+    # When the split holds fewer tail problems than batches, the batches without one go last,
+    # so that a short run has its long tail at every step.
+    batches.sort(key=lambda batch: max(problems[i].num_steps for i in batch) < TAIL_MIN_STEPS)
     for batch in batches:
         rng.shuffle(batch)
     return [i for batch in batches for i in batch] + by_length[n_batches * batch_size :]

@@ -74,7 +74,7 @@ def _stage_settings(settings: PrepareSettings) -> dict[str, dict]:
         "val": [settings.n_val, settings.val_seed],
     }
     # The model depends on the tokenizer, so its hash covers the tokenizer's settings too.
-    model = {"format": FORMAT_VERSION, "tokenizer": tok, "sft": settings.sft.to_dict(), "model": settings.model.to_dict()}
+    model = {"format": FORMAT_VERSION, "tokenizer": tok, "sft": settings.sft.identity(), "model": settings.model.to_dict()}
     return {"tokenizer": tok, "data": data, "model": model}
 
 
