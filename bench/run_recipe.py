@@ -1,8 +1,9 @@
 """Benchmark harness: run a recipe for N steps and write what its rollout looked like.
 
 Writes JSON with per-step timings, the response-length distribution, the rollout share of
-step time and the replica idle fraction, and a PNG of the rollout timeline per replica
-(generating vs. drained while another replica still generates).
+step time and the replica idle fraction, a PNG of the rollout timeline per replica
+(generating vs. drained while another replica still generates) and a PNG of the reward and
+the step-time split per step (`<out>_steps.png`).
 
     ./tlt bench --steps 8 --out bench/results/baseline.json
 """
@@ -55,6 +56,31 @@ def plot_timeline(events: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def plot_steps(steps: list[dict], out: Path) -> None:
+    """Reward per step beside where each step's time went (rollout vs the rest)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s["step"] for s in steps]
+    fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(11, 3.2))
+    ax_r.plot(x, [s["reward_mean"] for s in steps], marker="o")
+    ax_r.set_xlabel("step")
+    ax_r.set_ylabel("mean reward")
+    ax_r.set_title("Reward per step")
+    gen = [s["gen_s"] for s in steps]
+    ax_t.bar(x, gen, color="tab:blue", label="rollout")
+    ax_t.bar(x, [s["step_s"] - g for s, g in zip(steps, gen)], bottom=gen, color="tab:grey", label="rest of the step")
+    ax_t.set_xlabel("step")
+    ax_t.set_ylabel("seconds")
+    ax_t.set_title("Step time")
+    ax_t.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tlt-verl bench", description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="tiny_cpu_grpo")
@@ -84,6 +110,7 @@ def main(argv=None) -> int:
     }
     out.write_text(json.dumps(report, indent=2))
     plot_timeline(events, out.with_suffix(".png"))
+    plot_steps(result["steps"], out.with_name(out.stem + "_steps.png"))
     s = result["summary"]
     print(f"bench: rollout share {s['rollout_share']:.0%}, replica idle {s['replica_idle_fraction']:.0%}, "
           f"response length p50 {report['response_length']['p50']:.0f} max {report['response_length']['max']} "

@@ -38,3 +38,31 @@ def test_summary_skips_warmup_step_for_shares():
     assert s["rollout_share"] == pytest.approx(14 / 20)
     assert s["replica_idle_fraction"] == pytest.approx((0.5 * 4 + 0.2 * 2) / 6)
     assert s["reward_first3"] == pytest.approx(-0.5 / 3)
+
+
+def test_bench_report_from_a_finished_run(tmp_path):
+    """`tlt bench --from-run` turns a run folder into the JSON report and its two plots."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.run_recipe import main
+
+    run_dir = tmp_path / "run"
+    (run_dir / "timeline").mkdir(parents=True)
+    events = [_ev(0, 0, 0.0, 2.0, 20), _ev(1, 0, 0.0, 10.0, 400), _ev(0, 1, 20.0, 21.0, 30), _ev(1, 1, 20.0, 25.0, 300)]
+    for r in (0, 1):
+        (run_dir / "timeline" / f"replica_{r}.jsonl").write_text(
+            "".join(json.dumps(e) + "\n" for e in events if e["replica"] == r))
+    steps = [dict(step=i + 1, reward_mean=0.1 * i, gen_s=g, step_s=g + 3.0, rollout_window_s=g,
+                  replica_idle_fraction=0.4) for i, g in enumerate((10.0, 5.0))]
+    (run_dir / "steps.json").write_text(json.dumps({"summary": {**summarize(steps), "run_dir": str(run_dir)},
+                                                    "steps": steps}))
+    out = tmp_path / "out" / "report.json"
+    assert main(["--from-run", str(run_dir), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["response_length"]["max"] == 400 and report["response_length"]["n"] == 4
+    assert report["summary"]["rollout_share"] == pytest.approx(5 / 8)
+    for png in (out.with_suffix(".png"), out.with_name("report_steps.png")):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
