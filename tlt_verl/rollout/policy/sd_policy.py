@@ -14,11 +14,11 @@ from typing import Any, Iterable, Mapping
 
 from tlt_verl.rollout.policy.bandit import BanditConfig, BucketedEpsilonGreedy
 
-# Running batch above which SD is off. Provisional: bench/sd_threshold.py is the measurement meant
-# to set it, but its only run so far (bench/results/sd_threshold.json) ran its plain-decoding half
-# under a load average of ~10 on the 2 shared cores (160-990 ms a step), so its "64" is an artifact.
-# 16 sits between what the earlier probe saw (SD pays at batch 1, loses at 32 on a tiny model) and
-# the reference default of 32; below it the bandit's k=0 arm can still turn SD off.
+# Running batch above which SD is off. bench/sd_threshold.py, uncontended (load average 1.6,
+# bench/results/sd_threshold.json): plain decoding 4.2 ms a step at batch 1 to 9.3 ms at 64; EAGLE-1
+# with k=3 6.3 to 29.5 ms. Modelled with a per-token acceptance rate of 0.5, SD pays up to batch
+# 16; at 0.7 or 0.8 (the trained drafters reach ~0.8), up to 64, the largest measured. 16 is the
+# cautious end of that; below it the bandit's k=0 arm can still turn SD off.
 DEFAULT_THRESHOLD = 16
 
 
