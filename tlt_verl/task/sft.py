@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .longtail import Problem, generate_problems, worked_solution
+from .longtail import BODY_MAX_STEPS, Problem, generate_problems, worked_solution
 from .tiny_model import TinyModelSpec, build_tiny_model, num_parameters
 from .tokenizer import IM_END
 
@@ -187,8 +187,8 @@ def train_sft(
         tokenizer, list(generate_problems(cfg.num_examples, cfg.data_seed)), cfg.slip_prob, cfg.omit_answer_prob,
         cfg.data_seed,
     )
-    # Clean, short (<= 12 steps) problems SFT never trains on, for the progress line.
-    held_out = [p for p in generate_problems(4 * cfg.eval_examples, cfg.data_seed + 1) if p.num_steps <= 12]
+    # Clean problems from the body of the length law that SFT never trains on, for the progress line.
+    held_out = [p for p in generate_problems(4 * cfg.eval_examples, cfg.data_seed + 1) if p.num_steps <= BODY_MAX_STEPS]
     held_out = encode_examples(tokenizer, held_out[: cfg.eval_examples])
     rng = random.Random(cfg.data_seed)
     log(f"sft: encoded {len(examples):,} examples in {time.perf_counter() - t_data:.1f}s")
