@@ -45,6 +45,20 @@ class VllmReplica(RolloutReplica):
         # A unique key for verl's load balancer; generation goes through the actor handle.
         self._server_address = name
 
+    # The adaptive-SD calls the trainer side makes on a replica (one server per replica here).
+    async def push_drafter(self, path: str) -> str:
+        """Hot-swap the served drafter from a safetensors file; the sha256 the engine loaded."""
+        return await self._server_handle.update_drafter_from_file.remote(path)
+
+    async def take_sd_summary(self) -> dict:
+        return await self._server_handle.take_sd_summary.remote()
+
+    async def sd_policy_state(self):
+        return await self._server_handle.sd_policy_state.remote()
+
+    async def load_sd_policy_state(self, state: dict) -> None:
+        await self._server_handle.load_sd_policy_state.remote(state)
+
 
 def engine_env(replica_rank: int) -> dict[str, str]:
     """Environment of a replica's engine process on this host."""

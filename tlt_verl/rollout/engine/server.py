@@ -16,6 +16,9 @@ from typing import Any, Optional
 
 from verl.workers.rollout.replica import TokenOutput
 
+from tlt_verl.rollout.config import AdaptiveRolloutConfig, cuda_graph_engine_args
+from tlt_verl.rollout.lossless import check_speculative_config
+
 logger = logging.getLogger(__name__)
 
 TIMELINE_ENV = "TLT_TIMELINE_DIR"
@@ -33,6 +36,10 @@ class VllmServer:
         self._paused = asyncio.Event()
         self._paused.set()
         self._timeline: list[dict[str, Any]] = []
+        # Adaptive SD (tlt_verl/rollout/config.py): None for a plain engine.
+        self.sd_config = AdaptiveRolloutConfig.from_rollout(config)
+        self.sd_loop = None
+        self._in_flight = 0
         self._timeline_path = None
         if os.environ.get(TIMELINE_ENV):
             d = Path(os.environ[TIMELINE_ENV])
@@ -75,7 +82,26 @@ class VllmServer:
             kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
         )
         args.update(engine_kwargs)
+        check_speculative_config(args.get("speculative_config"))
+        if self.sd_config is not None:
+            if args.get("speculative_config"):
+                raise ValueError("engine_kwargs.vllm.speculative_config and rollout.custom.tlt_sd both set: "
+                                 "give the drafter in one of them")
+            import torch
+
+            args["speculative_config"] = self.sd_config.speculative_config(self.config.max_num_seqs)
+            on_gpu = torch.cuda.is_available() and not args["enforce_eager"]
+            args.update(cuda_graph_engine_args(self.sd_config, self.config.max_num_seqs,
+                                               args["max_num_batched_tokens"], on_gpu))
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        if self.sd_config is not None:
+            from tlt_verl.rollout.engine.sd_loop import AdaptiveSDLoop
+            from tlt_verl.rollout.policy.sd_policy import AdaptiveSDPolicy
+
+            policy = AdaptiveSDPolicy(self.sd_config.policy, max_k=self.sd_config.max_k,
+                                      max_batch=self.config.max_num_seqs)
+            self.sd_loop = AdaptiveSDLoop(self.engine, policy, self.sd_config.poll_interval_s)
+            await self.sd_loop.push_schedule()
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -100,12 +126,18 @@ class VllmServer:
         max_tokens = max(1, min(max_tokens, room, self.config.response_length))
         params["logprobs"] = 0 if params.pop("logprobs", False) else None
         params.setdefault("repetition_penalty", 1.0)
+        # Token ids in, token ids out: verl never reads the text, so the engine need not make it.
+        params.setdefault("detokenize", False)
         sp = SamplingParams(max_tokens=max_tokens, **params)
 
         start = time.time()
         final = None
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), sp, request_id):
-            final = out
+        await self._request_started()
+        try:
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), sp, request_id):
+                final = out
+        finally:
+            await self._request_ended()
         end = time.time()
         extra = {"global_steps": self.global_steps}
         if final is None or not final.outputs:
@@ -120,6 +152,17 @@ class VllmServer:
         )
         self._record(start=start, end=end, n_prompt=len(prompt_ids), n_tokens=len(token_ids))
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop, extra_fields=extra)
+
+    # The SD loop polls only while requests run: an idle engine has no steps to learn from.
+    async def _request_started(self) -> None:
+        self._in_flight += 1
+        if self.sd_loop is not None and self._in_flight == 1:
+            await self.sd_loop.start()
+
+    async def _request_ended(self) -> None:
+        self._in_flight -= 1
+        if self.sd_loop is not None and self._in_flight == 0:
+            await self.sd_loop.stop()
 
     def _record(self, **event) -> None:
         event.update(replica=self.replica_rank, step=self.global_steps)
@@ -154,6 +197,24 @@ class VllmServer:
         from tlt_verl.rollout.engine.sd_control import take_sd_metrics_async
 
         return [vars(m) for m in await take_sd_metrics_async(self.engine)]
+
+    async def take_sd_summary(self) -> dict[str, Any]:
+        """SD share of decode steps, acceptance length and arm per bucket since the last call."""
+        if self.sd_loop is None:
+            return {}
+        from tlt_verl.rollout.engine.sd_loop import summarize
+
+        await self.sd_loop.poll()
+        return {**summarize(self.sd_loop.take_records()), "arms": self.sd_loop.arms()}
+
+    def sd_policy_state(self) -> Optional[dict[str, Any]]:
+        return None if self.sd_loop is None else self.sd_loop.policy.state_dict()
+
+    async def load_sd_policy_state(self, state: dict[str, Any]) -> None:
+        if self.sd_loop is None:
+            raise ValueError("load_sd_policy_state: this engine runs no adaptive SD (rollout.custom.tlt_sd unset)")
+        self.sd_loop.policy.load_state_dict(state)
+        await self.sd_loop.push_schedule()
 
     async def update_drafter_from_file(self, path: str) -> str:
         """Hot-swap the drafter's weights; checked here first, since a failed RPC kills the engine."""
@@ -206,6 +267,8 @@ class VllmServer:
         return await self.engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
     def shutdown(self) -> None:
+        if self.sd_loop is not None:
+            self.sd_loop.cancel()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -1,0 +1,289 @@
+"""The long-tail rollout of the tiny task: plain decoding, fixed SD per strategy, adaptive SD.
+
+    python bench/longtail_rollout.py --drafter DIR --out bench/results/longtail_rollout.json
+
+Every mode decodes the same rounds of task prompts (round r: held-out problems drawn with seed
+VAL_SEED + r, like successive RL steps) at the same temperature and seed, on one process:
+
+- plain: an engine without a drafter;
+- fixed k: an engine with the drafter whose schedule is k for every batch size;
+- adaptive: the same SD engine under `AdaptiveSDPolicy` (threshold + bandit), its state carried
+  from round to round as it is from RL step to RL step; exploration is paid for in the timing.
+
+The two engines are alive together and the modes take turns within each round, so drift in the
+machine's load falls on all of them alike. Reported per mode: rollout wall clock (sum over
+rounds), tokens/s over time and against the running batch size (from the engine's per-step
+records, patches/vllm_sd/runtime.py), and at T=0 whether each output equals plain decoding.
+Writes the JSON to --out and a PNG next to it. Without --drafter, one is trained first
+(`tlt-verl drafter warmup`, --train-s seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = REPO / ".cache/tlt/assets/sft_model"
+GOALS = {"vs_plain": 1.5, "vs_best_fixed": 1.05}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def round_prompts(target: str, n: int, rnd: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from tlt_verl.task.prepare import VAL_SEED
+    from tlt_verl.drafter.warmup import task_prompts
+
+    return task_prompts(AutoTokenizer.from_pretrained(target), n, VAL_SEED + rnd)
+
+
+async def run_engines(args) -> dict:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from tlt_verl.rollout.engine.replica import engine_env
+    from tlt_verl.rollout.engine.sd_loop import AdaptiveSDLoop, summarize
+    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
+    from tlt_verl.rollout.policy import AdaptiveSDPolicy, BanditConfig, SDPolicyConfig
+
+    for key, value in engine_env(0).items():
+        os.environ.setdefault(key, value)
+        if key.endswith(("_PATH", "_ROOT")):
+            os.makedirs(value, exist_ok=True)
+    arms = tuple(args.arms)
+    max_k = max(arms)
+    base = dict(model=args.target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=args.seed,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=32768, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
+                disable_log_stats=False)
+    spec = {"method": args.method, "model": args.drafter, "num_speculative_tokens": max_k,
+            "num_speculative_tokens_per_batch_size": [[1, args.max_num_seqs, max_k]]}
+    t = time.time()
+    plain = AsyncLLM.from_engine_args(AsyncEngineArgs(**base))
+    sd = AsyncLLM.from_engine_args(AsyncEngineArgs(**base, speculative_config=spec))
+    log(f"engines up in {time.time() - t:.1f}s")
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold=args.threshold, steps_per_pull=args.steps_per_pull,
+                                             bandit=BanditConfig(arms=arms, seed=args.seed)),
+                              max_k=max_k, max_batch=args.max_num_seqs)
+    fixed = [k for k in arms if k > 0]
+    modes = ["plain"] + [f"fixed_k{k}" for k in fixed] + ["adaptive"]
+    calls = 0
+
+    async def rollout(engine, prompts, loop: AdaptiveSDLoop) -> dict:
+        nonlocal calls
+        calls += 1
+
+        async def one(i, p):
+            sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i,
+                                detokenize=False)
+            final = None
+            async for out in engine.generate(TokensPrompt(prompt_token_ids=p), sp, f"c{calls}-{i}"):
+                final = out
+            return list(final.outputs[0].token_ids)
+
+        await loop.poll()
+        loop.take_records()
+        await loop.start()
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        wall = time.perf_counter() - t0
+        await loop.stop()
+        recs = loop.take_records()
+        return {"wall_s": wall, "tokens": tokens, "records": [vars(m) for m in recs], "summary": summarize(recs)}
+
+    loops = {"plain": AdaptiveSDLoop(plain, None)}
+    for k in fixed:
+        loops[f"fixed_k{k}"] = AdaptiveSDLoop(sd, _FixedK(k, args.max_num_seqs))
+    loops["adaptive"] = AdaptiveSDLoop(sd, policy)
+    engines = {m: (plain if m == "plain" else sd) for m in modes}
+    try:
+        warm = round_prompts(args.target, 8, 1000)
+        for m in ("plain", "fixed_k1"):
+            await rollout(engines[m], warm, loops[m])
+        res = {m: [] for m in modes}
+        for rnd in range(args.rounds):
+            prompts = round_prompts(args.target, args.num_prompts, rnd)
+            order = modes if rnd % 2 == 0 else modes[::-1]
+            for m in order:
+                out = await rollout(engines[m], prompts, loops[m])
+                res[m].append(out)
+                log(f"round {rnd} {m:>10}: {out['wall_s']:6.2f}s  {sum(map(len, out['tokens']))} tokens  "
+                    f"SD share {out['summary']['sd_step_share']:.2f}  acc_len {out['summary']['acceptance_length']:.2f}")
+            log(f"round {rnd} adaptive arms per bucket {loops['adaptive'].arms()}")
+        return {"modes": modes, "rounds": res, "bandit": policy.bandit.state_dict(),
+                "final_arms": loops["adaptive"].arms()}
+    finally:
+        plain.shutdown()
+        sd.shutdown()
+
+
+class _FixedK:
+    """A policy that never changes its one schedule: fixed SD with k speculative tokens."""
+
+    def __init__(self, k: int, max_batch: int) -> None:
+        self._schedule = [(1, max_batch, k)]
+
+    def schedule(self):
+        return self._schedule
+
+    def observe(self, records) -> bool:
+        return False
+
+
+def analyse(raw: dict, args) -> dict:
+    modes = raw["modes"]
+    plain_tokens = [r["tokens"] for r in raw["rounds"]["plain"]]
+    out = {"config": {k: v for k, v in vars(args).items() if k not in ("phase_out",)}, "modes": {}}
+    for m in modes:
+        rounds = raw["rounds"][m]
+        identical = sum(a == b for r, ref in zip(rounds, plain_tokens) for a, b in zip(r["tokens"], ref))
+        out["modes"][m] = {
+            "wall_s": sum(r["wall_s"] for r in rounds),
+            "wall_s_per_round": [round(r["wall_s"], 3) for r in rounds],
+            "tokens": sum(sum(map(len, r["tokens"])) for r in rounds),
+            "identical_to_plain": identical,
+            "requests": sum(len(r["tokens"]) for r in rounds),
+            "summary_per_round": [r["summary"] for r in rounds],
+        }
+    wall = {m: out["modes"][m]["wall_s"] for m in modes}
+    fixed = [m for m in modes if m.startswith("fixed")]
+    best = min(fixed, key=wall.get)
+    out["speedup"] = {"adaptive_vs_plain": wall["plain"] / wall["adaptive"],
+                      "adaptive_vs_best_fixed": wall[best] / wall["adaptive"], "best_fixed": best,
+                      **{f"{m}_vs_plain": wall["plain"] / wall[m] for m in fixed}}
+    out["goals"] = GOALS
+    out["final_arms"] = raw["final_arms"]
+    out["bandit"] = raw["bandit"]
+    # Step series of the last round: what the plot shows.
+    out["steps_last_round"] = {m: [{k: s[k] for k in ("t", "batch", "k", "emitted", "step_s")}
+                                   for s in raw["rounds"][m][-1]["records"]] for m in modes}
+    out["by_batch"] = {m: by_batch([s for r in raw["rounds"][m] for s in r["records"]]) for m in modes}
+    return out
+
+
+def by_batch(records: list[dict]) -> dict[str, float]:
+    """Decode tokens per second against the running batch size (power-of-two bins)."""
+    bins: dict[int, list[float]] = {}
+    for s in records:
+        if s["prefill_reqs"] or s["step_s"] <= 0:
+            continue
+        b = 1 << (s["batch"].bit_length() - 1)
+        acc = bins.setdefault(b, [0.0, 0.0])
+        acc[0] += s["emitted"]
+        acc[1] += s["step_s"]
+    return {str(b): acc[0] / acc[1] for b, acc in sorted(bins.items())}
+
+
+def plot(result: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(result["modes"])
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.5))
+    walls = [result["modes"][m]["wall_s"] for m in modes]
+    ax0.bar(modes, walls, color=["grey"] + ["tab:blue"] * (len(modes) - 2) + ["tab:red"])
+    ax0.set_ylabel("rollout wall clock, all rounds (s)")
+    ax0.set_title(f"adaptive {result['speedup']['adaptive_vs_plain']:.2f}x plain, "
+                  f"{result['speedup']['adaptive_vs_best_fixed']:.2f}x {result['speedup']['best_fixed']}")
+    ax0.tick_params(axis="x", rotation=30)
+    for m in modes:
+        steps = result["steps_last_round"][m]
+        if not steps:
+            continue
+        t0 = steps[0]["t"] - steps[0]["step_s"]
+        # Tokens per second over windows of 20 steps.
+        xs, ys = [], []
+        for i in range(0, len(steps), 20):
+            w = steps[i:i + 20]
+            sec = sum(s["step_s"] for s in w)
+            if sec > 0:
+                xs.append(w[-1]["t"] - t0)
+                ys.append(sum(s["emitted"] for s in w) / sec)
+        ax1.plot(xs, ys, label=m, lw=2 if m in ("plain", "adaptive") else 1)
+        bb = result["by_batch"][m]
+        ax2.plot([int(b) for b in bb], list(bb.values()), marker="o", label=m)
+    ax1.set_xlabel("time in the last round (s)")
+    ax1.set_ylabel("tokens / s")
+    ax1.set_yscale("log")
+    ax1.legend(fontsize=8)
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("running batch size (bin)")
+    ax2.set_ylabel("decode tokens / s")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def train_drafter(args, work: Path) -> str:
+    out = work / "drafter"
+    if not (out / "model.safetensors").exists():
+        log(f"training an {args.method} drafter for {args.train_s}s")
+        subprocess.run([sys.executable, "-m", "tlt_verl.cli", "drafter", "warmup", "--target", args.target,
+                        "--out", str(out), "--kind", args.method, "--budget-s", str(args.train_s)],
+                       check=True, cwd=str(REPO))
+    return str(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=str(DEFAULT_TARGET))
+    ap.add_argument("--drafter", default=None, help="an exported drafter folder (vLLM layout)")
+    ap.add_argument("--method", default="eagle", choices=("eagle", "eagle3"))
+    ap.add_argument("--train-s", type=int, default=120)
+    ap.add_argument("--work", default="/tmp/tlt-bench-longtail")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=1536)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arms", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--threshold", type=int, default=None)
+    ap.add_argument("--steps-per-pull", type=int, default=8)
+    ap.add_argument("--out", default=str(REPO / "bench/results/longtail_rollout.json"))
+    ap.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.threshold is None:
+        from tlt_verl.rollout.policy.sd_policy import DEFAULT_THRESHOLD
+        args.threshold = DEFAULT_THRESHOLD
+    if args.phase_out:
+        Path(args.phase_out).write_text(json.dumps(asyncio.run(run_engines(args))))
+        return
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.drafter is None:
+        args.drafter = train_drafter(args, work)
+    # The engines run in a child with private vLLM sockets and caches (see bench/drafter_acceptance.py).
+    scratch = work / "scratch"
+    (scratch / "tmp").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TLT_SCRATCH=str(scratch), TMPDIR=str(scratch / "tmp"), PYTHONUNBUFFERED="1")
+    raw_path = work / "raw.json"
+    subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
+                    "--drafter", args.drafter, "--phase-out", str(raw_path)], env=env, check=True, cwd=str(REPO))
+    result = analyse(json.loads(raw_path.read_text()), args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    s = result["speedup"]
+    same = all(v["identical_to_plain"] == v["requests"] for v in result["modes"].values())
+    log(f"bench: adaptive {s['adaptive_vs_plain']:.2f}x plain, {s['adaptive_vs_best_fixed']:.2f}x the best fixed "
+        f"({s['best_fixed']}); T={args.temperature} outputs identical to plain: {same}; -> {out}")
+
+
+if __name__ == "__main__":
+    main()

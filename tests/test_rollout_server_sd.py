@@ -1,0 +1,218 @@
+"""The rollout server verl uses, with the drafter and the adaptive SD policy (rollout.custom.tlt_sd).
+
+One child process runs two `VllmServer`s built from verl's own `RolloutConfig`, plain and
+adaptive, on a long-tail batch at T=0: same tokens; the policy's loop learned from the engine's
+steps and its schedule is the engine's; its state round-trips; a drafter push and a target
+reload go through the server's own calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _subproc import child_main, run_in_subprocess  # noqa: E402
+
+# A long tail: most requests short, two long; the batch shrinks from 12 to 2.
+MAX_TOKENS = [6, 8, 10, 6, 12, 8, 10, 6, 8, 12, 96, 120]
+MAX_SEQS = 16
+
+
+def _rollout_config(**custom):
+    from verl.workers.config.rollout import RolloutConfig
+
+    return RolloutConfig(name="tlt_vllm", prompt_length=16, response_length=max(MAX_TOKENS), dtype="float32",
+                         max_num_seqs=MAX_SEQS, tensor_model_parallel_size=1, max_num_batched_tokens=2048,
+                         seed=0, custom=custom or None,
+                         # The test target has no tokenizer: token ids in and out.
+                         engine_kwargs={"vllm": {"skip_tokenizer_init": True}})
+
+
+async def _scenario(spec: dict) -> dict:
+    import torch
+    from omegaconf import OmegaConf
+
+    from tlt_verl.rollout.engine.replica import engine_env
+    from tlt_verl.rollout.engine.server import VllmServer
+
+    target, drafter = spec["target"], spec["drafter"]
+    model = OmegaConf.create({"path": target})
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 128, (8,), generator=g).tolist() for _ in MAX_TOKENS]
+    res: dict = {"timings": {}}
+
+    # Refused before any engine starts: a lossy speculative config given through engine_kwargs.
+    lossy = _rollout_config()
+    lossy.engine_kwargs = {"vllm": {"skip_tokenizer_init": True, "speculative_config": {"method": "eagle", "model": drafter,
+                                                           "rejection_sample_method": "synthetic"}}}
+    try:
+        await VllmServer(lossy, model, 0, engine_env(0)).launch()
+        res["lossy_error"] = None
+    except ValueError as e:
+        res["lossy_error"] = str(e)
+
+    async def rollout(server, tag):
+        async def one(i):
+            out = await server.generate(f"{tag}-{i}", prompt_ids=prompts[i],
+                                        sampling_params={"temperature": 0.0, "max_tokens": MAX_TOKENS[i],
+                                                         "ignore_eos": True})
+            return out.token_ids
+        return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+    plain = VllmServer(_rollout_config(), model, 0, engine_env(0))
+    await plain.launch()
+    try:
+        res["plain"] = await rollout(plain, "plain")
+        res["plain_summary"] = await plain.take_sd_summary()
+    finally:
+        plain.shutdown()
+
+    tlt_sd = {"drafter": drafter, "policy": {"steps_per_pull": 2, "bandit": {"seed": 3}}}
+    server = VllmServer(_rollout_config(tlt_sd=tlt_sd), model, 0, engine_env(0))
+    await server.launch()
+    try:
+        res["sd"] = [await rollout(server, f"sd{r}") for r in range(3)]
+        res["summary"] = await server.take_sd_summary()
+        state = server.sd_policy_state()
+        res["state"] = state
+        res["lookup"] = await server.engine.engine_core.call_utility_async("tlt_get_sd_lookup")
+        res["schedule"] = [list(r) for r in server.sd_loop.policy.schedule()]
+        # Restoring the saved state (as a resumed run does) is accepted and pushed to the engine.
+        await server.load_sd_policy_state(state)
+        res["state_after_load"] = server.sd_policy_state()
+        async def checksum(which):
+            return (await server.collective_rpc("tlt_weights_checksum", args=(which,)))[0]
+
+        res["sha_before"] = {"drafter": await checksum("drafter"), "target": await checksum("target")}
+        res["sha_push"] = await server.update_drafter_from_file(os.path.join(drafter, "model.safetensors"))
+        res["sha_target"] = await server.update_weights_from_file(os.path.join(target, "model.safetensors"), 5)
+        res["sha_after"] = {"drafter": await checksum("drafter"), "target": await checksum("target")}
+        res["global_steps"] = server.global_steps
+        res["after_reloads"] = await rollout(server, "again")
+        res["idle_polling"] = server.sd_loop.running
+    finally:
+        server.shutdown()
+    return res
+
+
+def _child(spec: dict) -> dict:
+    return asyncio.run(_scenario(spec))
+
+
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    from _drafters import write_eagle1_drafter, write_target
+
+    root = tmp_path_factory.mktemp("server_sd")
+    target = write_target(str(root / "target"))
+    drafter = write_eagle1_drafter(target, str(root / "drafter"), bigram=True)
+    res = run_in_subprocess(__file__, {"target": target, "drafter": drafter}, root,
+                            env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    res.update(drafter=drafter, target=target)
+    return res
+
+
+@pytest.mark.slow
+def test_adaptive_server_same_tokens_as_plain_at_t0(scenario):
+    assert [len(t) for t in scenario["plain"]] == MAX_TOKENS
+    for tokens in scenario["sd"] + [scenario["after_reloads"]]:
+        assert tokens == scenario["plain"]
+    assert scenario["plain_summary"] == {}  # a plain server has no SD to report
+
+
+@pytest.mark.slow
+def test_policy_loop_learns_from_engine_steps(scenario):
+    s = scenario["summary"]
+    assert s["decode_steps"] > 20
+    assert 0.0 < s["sd_step_share"] <= 1.0
+    # The bigram drafter guesses the bigram target well: drafts are accepted.
+    assert s["acceptance_length"] > 1.5, s
+    counts = scenario["state"]["bandit"]["counts"]
+    # Small buckets (the tail) were pulled, and more than one arm was tried in one of them.
+    assert sum(map(sum, counts)) >= 4, counts
+    assert max(sum(1 for n in row if n) for row in counts) >= 2, counts
+    assert set(s["arms"]) == {"1", "2", "4", "8", "16"}
+    assert not scenario["idle_polling"]
+
+
+@pytest.mark.slow
+def test_engine_runs_the_policys_schedule(scenario):
+    lookup = scenario["lookup"]
+    for start, end, k in scenario["schedule"]:
+        assert all(lookup[b] == k for b in range(start, end + 1)), (start, end, k, lookup)
+    assert scenario["state_after_load"] == scenario["state"]
+
+
+@pytest.mark.slow
+def test_drafter_push_and_target_reload_through_the_server(scenario):
+    import hashlib
+
+    before, after = scenario["sha_before"], scenario["sha_after"]
+    # Pushing the drafter's own file and reloading the target's: both read back unchanged,
+    # and neither reload touched the other model.
+    assert scenario["sha_push"] == before["drafter"] == after["drafter"]
+    assert before["target"] == after["target"]
+    raw = Path(scenario["target"], "model.safetensors").read_bytes()
+    assert scenario["sha_target"] == hashlib.sha256(raw).hexdigest()  # the file the engine read
+    assert before["drafter"] != before["target"]
+    assert scenario["global_steps"] == 5
+
+
+@pytest.mark.slow
+def test_lossy_speculative_config_refused_before_engine_start(scenario):
+    assert "synthetic" in scenario["lossy_error"] and "lossless" in scenario["lossy_error"]
+
+
+# ---------------------------------------------------------------------------- no engine
+
+def test_config_errors_name_the_option(tmp_path):
+    from tlt_verl.rollout.config import AdaptiveRolloutConfig
+
+    def err(block):
+        with pytest.raises(ValueError) as e:
+            AdaptiveRolloutConfig.from_rollout(_rollout_config(tlt_sd=block))
+        msg = str(e.value)
+        assert "\n" not in msg
+        return msg
+
+    assert AdaptiveRolloutConfig.from_rollout(_rollout_config()) is None
+    assert "tlt_sd.drafter" in err({})
+    assert f"tlt_sd.drafter={tmp_path}: no config.json" in err({"drafter": str(tmp_path)})
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert "unknown option(s) ['drafterr']" in err({"drafter": str(tmp_path), "drafterr": 1})
+    assert "tlt_sd.method='medusa'" in err({"drafter": str(tmp_path), "method": "medusa"})
+    assert "sd.threshold=0" in err({"drafter": str(tmp_path), "policy": {"threshold": 0}})
+    assert "bandit.arms=[2]" in err({"drafter": str(tmp_path), "policy": {"bandit": {"arms": [2]}}})
+    cfg = AdaptiveRolloutConfig.from_rollout(_rollout_config(tlt_sd={"drafter": str(tmp_path)}))
+    spec = cfg.speculative_config(MAX_SEQS)
+    assert spec["num_speculative_tokens"] == 3 and spec["num_speculative_tokens_per_batch_size"] == [[1, MAX_SEQS, 3]]
+
+
+def test_cuda_graph_pool_is_bounded_by_the_threshold(tmp_path):
+    from tlt_verl.rollout.config import AdaptiveRolloutConfig, cuda_graph_capture_sizes, cuda_graph_engine_args
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    cfg = AdaptiveRolloutConfig(drafter=str(tmp_path))  # threshold 16, arms 0..3
+    sizes = cuda_graph_capture_sizes(cfg, max_num_seqs=32, max_tokens=8192)
+    # k = 0 at every batch size, and b * (1 + k) for b <= 16 only: 16 * 4 = 64 is the largest.
+    assert set(range(1, 33)) <= set(sizes)
+    assert max(sizes) == 64 and 17 * 2 not in sizes and 21 * 3 not in sizes
+    every_arm_everywhere = {b * (1 + k) for b in range(1, 33) for k in range(4)}
+    assert set(sizes) < every_arm_everywhere
+    assert cuda_graph_capture_sizes(cfg, max_num_seqs=32, max_tokens=40)[-1] == 40
+    assert cuda_graph_engine_args(cfg, 32, 8192, on_gpu=False) == {}
+    gpu = cuda_graph_engine_args(cfg, 32, 8192, on_gpu=True)
+    assert gpu["compilation_config"]["cudagraph_capture_sizes"] == sizes
+
+
+if __name__ == "__main__":
+    child_main(_child)
