@@ -1,8 +1,10 @@
 """The `verl.plugins` entry point: verl imports this in every process, Ray workers included.
 
 It picks the CPU platform on a CPU-only torch build, registers the tlt_vllm rollout backend,
-and installs the start-up checks. verl swallows exceptions raised by plugins, so a patch
-that does not fit the installed versions stops the process here with its one-line reason.
+installs the start-up checks, and arms hidden-state capture in the actor's log-prob pass (inert
+until a drafter worker enables it in its process). verl swallows exceptions raised by plugins,
+so a patch that does not fit the installed versions stops the process here with its one-line
+reason.
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ def _load() -> None:
         from tlt_verl.patches import verl_cpu
 
         verl_cpu.apply()
+
+    from tlt_verl.patches import verl_capture
+
+    verl_capture.apply()
 
     from tlt_verl.integration import rollout_registry, startup_checks
 

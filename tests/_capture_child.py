@@ -1,0 +1,201 @@
+"""Child process of tests/test_verl_capture.py: verl's real actor worker on one CPU rank.
+
+Builds ``ActorRolloutRefWorker(role="actor")`` (FSDP2 over gloo, world size 1) the way verl's
+trainer configures it, runs ``compute_log_prob`` on rollout batches laid out as trainer v1 and v0
+hand them over, with capture off and on, and saves what came out (log-probs, buffer samples, hook
+counts) for the test to check against a direct HF forward. A child, because the worker leaves a
+torch.distributed process group behind.
+
+    python tests/_capture_child.py MODEL_DIR OUT_FILE
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import numpy as np
+import torch
+
+# (prompt, response) lengths, and response positions the policy did not generate (a tool reply):
+# unequal lengths, so the packed forward has ragged rows and the budget below splits it.
+SAMPLES = [(3, 9, (1, 2)), (7, 4, ()), (5, 12, (4, 5, 6)), (2, 6, ()), (6, 1, ()), (4, 8, (7,))]
+STEPS_V1 = [7, 7, 8, 7, 8, 7]          # v1: the dataloader step of each sample
+VERSIONS_V0 = [4, 4, 4, 4, 4, 4]       # v0: the weights version each response was sampled with
+PAD = 64
+
+
+def _env():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VERL_PLATFORM="cpu")
+    torch.set_num_threads(1)
+
+
+def build_worker(model_dir: str, remove_padding: bool):
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            f"actor_rollout_ref.model.path={model_dir}",
+            f"actor_rollout_ref.model.use_remove_padding={remove_padding}",
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            "actor_rollout_ref.actor.strategy=fsdp2",
+            # fp32 compute: what is left between the engine and HF is the buffer's bf16 storage.
+            "actor_rollout_ref.actor.fsdp_config.dtype=float32",
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+            "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
+            # ~27 tokens a micro-batch: the 6 samples (70 tokens) take several forwards.
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=27",
+            "actor_rollout_ref.rollout.name=vllm",
+            "trainer.n_gpus_per_node=1",
+        ])
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
+    worker.init_model()
+    return worker
+
+
+def sequences():
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for p, r, holes in SAMPLES:
+        prompt = torch.randint(0, PAD, (p,), generator=g)
+        response = torch.randint(0, PAD, (r,), generator=g)
+        mask = torch.ones(r, dtype=torch.int64)
+        mask[list(holes)] = 0
+        out.append((prompt, response, mask))
+    return out
+
+
+def batch_v1(seqs):
+    """As trainer v1's agent loop stores samples (agent_loop_tq) and the worker reads them back."""
+    from verl.utils import tensordict_utils as tu
+
+    fields = [dict(prompts=p, responses=r, response_mask=m, loss_mask=m, input_ids=torch.cat([p, r]),
+                   position_ids=torch.arange(len(p) + len(r)), global_steps=step)
+              for (p, r, m), step in zip(seqs, STEPS_V1)]
+    td = tu.list_of_dict_to_tensordict(fields)
+    tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, temperature=1.0)
+    return td
+
+
+def batch_v0(seqs):
+    """As trainer v0 hands a rollout batch over: DataProto (left-padded prompts, right-padded
+    responses), to_tensordict, left_right_2_no_padding."""
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    P, R, B = max(len(s[0]) for s in seqs), max(len(s[1]) for s in seqs), len(seqs)
+    prompts = torch.full((B, P), PAD)
+    responses = torch.full((B, R), PAD)
+    attention = torch.zeros(B, P + R, dtype=torch.int64)
+    response_mask = torch.zeros(B, R, dtype=torch.int64)
+    for i, (p, r, m) in enumerate(seqs):
+        prompts[i, P - len(p):] = p
+        responses[i, : len(r)] = r
+        attention[i, P - len(p): P + len(r)] = 1
+        response_mask[i, : len(r)] = m
+    position_ids = (attention.cumsum(-1) - 1).clamp_min(0)
+    proto = DataProto.from_dict(
+        tensors=dict(prompts=prompts, responses=responses, input_ids=torch.cat([prompts, responses], 1),
+                     attention_mask=attention, response_mask=response_mask, position_ids=position_ids),
+        non_tensors={"max_global_steps": np.array(VERSIONS_V0, dtype=object)},
+        meta_info={"temperature": 1.0})
+    td = left_right_2_no_padding(proto.to_tensordict())
+    tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False)
+    return td
+
+
+class HookCounter:
+    """Counts the hooks on every module of the actor while its decoder runs, and between passes."""
+
+    def __init__(self, model):
+        from tlt_verl.capture.hooks import find_decoder
+
+        self.model = model
+        self.during: list[int] = []
+        find_decoder(model).register_forward_pre_hook(lambda *_: self.during.append(self.count()))
+        self.stock = self.count()
+
+    def count(self) -> int:
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in self.model.modules())
+
+
+def samples(buffer):
+    return [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "final": s.final_hidden, "aux": s.aux_hidden,
+             "step": s.step} for s in (buffer.get(i) for i in buffer.ids())]
+
+
+def main(model_dir: str, out_file: str):
+    _env()
+    import verl.workers.engine_workers as ew
+    from verl.utils import tensordict_utils as tu
+
+    from tlt_verl.capture import BufferConfig, verl_capture
+    from tlt_verl.drafter.config import default_aux_layer_ids
+
+    seqs = sequences()
+    res = {"sequences": seqs, "steps_v1": STEPS_V1, "versions_v0": VERSIONS_V0,
+           "patched": bool(getattr(ew.ActorRolloutRefWorker.compute_log_prob, "_tlt_capture", False))}
+    worker = build_worker(model_dir, remove_padding=True)
+    model = worker.actor.engine.module
+    res["aux_layer_ids"] = aux = default_aux_layer_ids(model.config.num_hidden_layers)
+    hooks = HookCounter(model)
+    res["hooks_stock"] = hooks.stock
+
+    def run(td):
+        out = worker.compute_log_prob(td)
+        return {"log_probs": out["log_probs"].values().clone(), "entropy": out["entropy"].values().clone()}
+
+    res["off"] = run(batch_v1(seqs))
+    res["hooks_off"], hooks.during = hooks.during, []
+    buf = verl_capture.enable("eagle3", aux, BufferConfig(kind="eagle3", dtype="bfloat16"))
+    res["on"] = run(batch_v1(seqs))
+    res["hooks_on"], hooks.during = hooks.during, []
+    res["hooks_after_on"] = hooks.count()
+    res["v1"] = samples(buf)
+    res["stats"] = vars(verl_capture.stats()).copy()
+    # A forward of the same engine outside compute_log_prob (compute_ref_log_prob's path) is not
+    # captured.
+    worker.actor.infer_batch(batch_v1(seqs))
+    res["after_other_passes"] = len(buf)
+    res["disabled_returns_buffer"] = verl_capture.disable() is buf
+    res["off_again"] = run(batch_v1(seqs))
+    res["hooks_off_again"], hooks.during = hooks.during, []
+    res["hooks_after_off"] = hooks.count()
+
+    buf = verl_capture.enable("eagle", (), BufferConfig(kind="eagle", dtype="bfloat16"))
+    run(batch_v0(seqs))
+    res["v0"] = samples(buf)
+
+    # The training forward (last: it changes the weights the other checks compare with).
+    td = batch_v1(seqs)
+    for key, value in (("old_log_probs", -1.0), ("advantages", 0.5)):
+        td[key] = torch.nested.as_nested_tensor([torch.full((len(r),), value) for _, r, _ in seqs],
+                                                layout=torch.jagged)
+    tu.assign_non_tensor(td, compute_loss=True, calculate_entropy=False, global_batch_size=len(seqs),
+                         mini_batch_size=len(seqs), epochs=1, seed=0, dataloader_kwargs={"shuffle": False})
+    res["update_grad_norm"] = tu.get(worker.update_actor(td), "metrics")["grad_norm"][0]
+    res["after_update"] = len(buf)
+
+    padded = build_worker(model_dir, remove_padding=False)
+    buf = verl_capture.enable("eagle3", aux, BufferConfig(kind="eagle3", dtype="bfloat16"))
+    res["padded_log_probs"] = padded.compute_log_prob(batch_v1(seqs))["log_probs"].values().clone()
+    res["padded"] = samples(buf)
+    verl_capture.disable()
+    torch.save(res, out_file)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,189 @@
+"""Target hidden states from verl's actor log-prob pass, into a DataBuffer in the same process.
+
+The old log-prob pass already runs the target over every prompt + response of the RL step; hooks
+on the actor's decoder take the states a drafter needs from that forward instead of running
+another one. Each sample lands in the buffer exactly as the offline path (``hf_capture`` +
+``DataBuffer.add`` in ``drafter.warmup``) would store it: its prompt + response tokens, a loss mask
+that is True on the response tokens the policy generated, and the states at every one of those
+positions.
+
+Capture is off unless :func:`enable` was called in this process (a drafter worker colocated with
+the actor calls it); off, nothing is hooked and verl runs as shipped. ``patches.verl_capture``
+scopes it to ``ActorRolloutRefWorker.compute_log_prob`` of the actor (not the reference pass, not
+the training forward) and hands each micro-batch to :meth:`LogProbPass.collect`.
+
+Under Ulysses sequence parallelism every rank of a group sees the same samples and stores them:
+the buffers of one group are copies.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .buffer import DTYPES, KINDS, BufferConfig, DataBuffer
+from .hooks import HiddenStateHooks
+from .verl_batch import SampleLayout, layout, split, unpad
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    kind: str                            # "eagle" (final states) or "eagle3" (aux + final)
+    aux_layer_ids: tuple[int, ...] = ()  # EAGLE-3 only; layer-id convention of drafter.config
+    buffer: BufferConfig = BufferConfig()
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"CaptureConfig.kind={self.kind!r}: must be one of {', '.join(KINDS)}")
+        ids = list(self.aux_layer_ids)
+        if self.kind == "eagle" and ids:
+            raise ValueError("CaptureConfig.aux_layer_ids: only for kind='eagle3'")
+        if self.kind == "eagle3" and (not ids or ids != sorted(set(ids)) or ids[0] < 0):
+            raise ValueError(f"CaptureConfig.aux_layer_ids={ids}: eagle3 needs distinct, ascending, "
+                             f"non-negative layer ids")
+        if self.buffer.kind != self.kind:
+            raise ValueError(f"CaptureConfig.buffer.kind={self.buffer.kind!r} differs from kind={self.kind!r}")
+
+
+@dataclass
+class CaptureStats:
+    passes: int = 0
+    micro_batches: int = 0
+    samples: int = 0
+    skipped: int = 0          # no response token, or fewer than 2 tokens: nothing to train on
+
+
+class _Capture:
+    def __init__(self, cfg: CaptureConfig):
+        self.cfg = cfg
+        self.buffer = DataBuffer(cfg.buffer)
+        self.stats = CaptureStats()
+        self.warned_untagged = False
+
+
+_lock = threading.Lock()
+_state: _Capture | None = None
+# The pass in flight, keyed by the engine whose forward it hooks: verl's ref and actor engines
+# share the process, and only the actor's may feed the buffer.
+_active: tuple[object, "LogProbPass"] | None = None
+
+
+def enable(kind: str, aux_layer_ids: Sequence[int] = (), buffer_config: BufferConfig | None = None) -> DataBuffer:
+    """Start capturing in this process into a new buffer, which is returned. ``buffer_config``
+    defaults to ``BufferConfig(kind=kind)``; enabling again replaces the buffer."""
+    global _state
+    cfg = CaptureConfig(kind, tuple(int(k) for k in aux_layer_ids), buffer_config or BufferConfig(kind=kind))
+    with _lock:
+        _state = _Capture(cfg)
+        return _state.buffer
+
+
+def disable() -> DataBuffer | None:
+    """Stop capturing; returns the buffer that was filled (None if capture was off). A pass already
+    running finishes into it."""
+    global _state
+    with _lock:
+        state, _state = _state, None
+    return None if state is None else state.buffer
+
+
+def enabled() -> bool:
+    return _state is not None
+
+
+def buffer() -> DataBuffer | None:
+    state = _state
+    return None if state is None else state.buffer
+
+
+def config() -> CaptureConfig | None:
+    state = _state
+    return None if state is None else state.cfg
+
+
+def stats() -> CaptureStats | None:
+    state = _state
+    return None if state is None else state.stats
+
+
+class LogProbPass:
+    """One actor log-prob pass: hooks on ``model`` while open, one :meth:`collect` per micro-batch."""
+
+    def __init__(self, state: _Capture, engine: object, model: torch.nn.Module):
+        self._state = state
+        self._engine = engine
+        self._hooks = HiddenStateHooks(model, state.cfg.aux_layer_ids if state.cfg.kind == "eagle3" else ())
+        state.stats.passes += 1
+        self._pass_index = state.stats.passes
+
+    def __enter__(self) -> "LogProbPass":
+        global _active
+        if _active is not None:
+            raise RuntimeError("capture: a log-prob pass is already being captured in this process")
+        self._hooks.__enter__()
+        _active = (self._engine, self)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        global _active
+        _active = None
+        # A forward whose micro-batch never reached collect() means verl ran the actor through
+        # a path the patch does not wrap: its samples would be missing without a word.
+        missed = self._hooks.pending
+        self._hooks.remove()
+        if missed and exc_type is None:
+            raise RuntimeError("capture: the actor ran a forward in compute_log_prob whose outputs did not go "
+                               "through FSDPEngineWithLMHead.prepare_model_outputs; nothing was captured for it")
+
+    def collect(self, micro_batch, *, packed: bool,
+                gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
+        """Add the samples of the forward that just ran on ``micro_batch``; returns how many."""
+        final, aux = self._hooks.take()
+        lay = layout(micro_batch)
+        steps = self._steps(lay)
+        dtype = DTYPES[self._state.cfg.buffer.dtype]
+
+        def rows(t: torch.Tensor) -> list[torch.Tensor]:
+            # Un-pad on the device (under sequence parallelism it is an all-gather), then one
+            # device-to-host copy per micro-batch; the buffer copies each sample's slice out.
+            return split(unpad(t, packed=packed, gather=gather).to("cpu", dtype), lay.lengths, packed=packed)
+
+        finals = rows(final)
+        auxes = rows(aux) if aux is not None else [None] * len(finals)
+        ids = micro_batch["input_ids"].values().cpu().split(lay.lengths)
+        stats, added = self._state.stats, 0
+        for i, n in enumerate(lay.lengths):
+            mask = lay.loss_mask(i)
+            if n < 2 or not bool(mask.any()):
+                stats.skipped += 1
+                continue
+            self._state.buffer.add(steps[i], ids[i], mask, finals[i], auxes[i])
+            added += 1
+        stats.micro_batches += 1
+        stats.samples += added
+        return added
+
+    def _steps(self, lay: SampleLayout) -> list[int]:
+        if all(s is not None for s in lay.steps):
+            return lay.steps
+        if not self._state.warned_untagged:
+            log.warning("capture: the log-prob batch carries no step tag (global_steps / max_global_steps); "
+                        "tagging its samples with the number of captured passes (%d)", self._pass_index)
+            self._state.warned_untagged = True
+        return [self._pass_index if s is None else s for s in lay.steps]
+
+
+def log_prob_pass(engine: object, model: torch.nn.Module) -> LogProbPass | None:
+    """A pass for the actor ``engine`` running ``model``, or None when capture is off."""
+    state = _state
+    return None if state is None else LogProbPass(state, engine, model)
+
+
+def active_pass(engine: object) -> LogProbPass | None:
+    active = _active
+    return active[1] if active is not None and active[0] is engine else None
