@@ -63,7 +63,8 @@ async def run_engines(args) -> dict:
             os.makedirs(value, exist_ok=True)
     arms = tuple(args.arms)
     max_k = max(arms)
-    base = dict(model=args.target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=args.seed,
+    base = dict(model=args.target, skip_tokenizer_init=True, dtype="float32", enforce_eager=not args.compile,
+                seed=args.seed,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=32768, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
                 disable_log_stats=False)
@@ -254,6 +255,7 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--threshold", type=int, default=None)
     ap.add_argument("--steps-per-pull", type=int, default=8)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the models (vLLM's default; eager otherwise)")
     ap.add_argument("--out", default=str(REPO / "bench/results/longtail_rollout.json"))
     ap.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -201,7 +201,9 @@ def test_cuda_graph_pool_is_bounded_by_the_threshold(tmp_path):
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
-    cfg = AdaptiveRolloutConfig(drafter=str(tmp_path))  # threshold 16, arms 0..3
+    from tlt_verl.rollout.policy import SDPolicyConfig
+
+    cfg = AdaptiveRolloutConfig(drafter=str(tmp_path), policy=SDPolicyConfig(threshold=16))  # arms 0..3
     sizes = cuda_graph_capture_sizes(cfg, max_num_seqs=32, max_tokens=8192)
     # k = 0 at every batch size, and b * (1 + k) for b <= 16 only: 16 * 4 = 64 is the largest.
     assert set(range(1, 33)) <= set(sizes)

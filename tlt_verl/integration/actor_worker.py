@@ -1,0 +1,98 @@
+"""verl's actor worker with the drafter colocated in the same process.
+
+The TLT trainer builds its actor worker group from this class instead of verl's
+`ActorRolloutRefWorker` (same resource pool, same ranks): each rank's process then owns a
+`DrafterService` (the drafter, its optimizer, its buffer shard), which the actor's own old
+log-prob pass fills through the capture hooks, without moving hidden states between processes.
+The methods below are the drafter worker group's interface; the coordinator calls the session
+ones on single workers, the rest go to every rank.
+
+While a session trains, the process is pinned to its replica's core with one torch thread:
+the other replicas' engines are still decoding on the other cores.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Optional
+
+import torch
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.workers.engine_workers import ActorRolloutRefWorker
+
+
+def _core_of(replica_rank: int) -> Optional[int]:
+    """The core the replica's engine is bound to (tlt_verl.rollout.engine.replica.engine_env)."""
+    from tlt_verl.rollout.engine.replica import engine_env
+
+    bind = engine_env(replica_rank).get("VLLM_CPU_OMP_THREADS_BIND", "")
+    return int(bind) if bind.isdigit() else None
+
+
+class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
+    _tlt_service = None
+    _tlt_saved_threads: Optional[tuple[set, int]] = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_init_drafter(self, service_config: dict, replica_of_rank: dict) -> dict:
+        from tlt_verl.spot import registry
+        from tlt_verl.spot.drafter_service import DrafterService, DrafterServiceConfig
+
+        target = self.config.model.get("local_path") or self.config.model.path
+        self._tlt_service = DrafterService(str(target), DrafterServiceConfig.from_dict(service_config))
+        self._tlt_replica = int(replica_of_rank[str(self.rank)])
+        registry.set_service(self._tlt_service)
+        return {"rank": self.rank, "replica": self._tlt_replica}
+
+    # ---- sessions (one worker at a time, from the coordinator) -------------------------------
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_rendezvous(self) -> tuple[str, int]:
+        """A host and free port for a session's store, which this worker (its rank 0) hosts."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return socket.gethostbyname(socket.gethostname()), port
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_start_session(self, session_id: str, rank: int, size: int, host: str, port: int, source: int) -> None:
+        core = _core_of(self._tlt_replica) if torch.device(self._device()).type == "cpu" else None
+        if core is not None and hasattr(os, "sched_setaffinity"):
+            # The training thread inherits this thread's affinity when the service starts it.
+            self._tlt_saved_threads = (os.sched_getaffinity(0), torch.get_num_threads())
+            os.sched_setaffinity(0, {core})
+            torch.set_num_threads(1)
+        self._tlt_service.start_session(session_id, rank, size, host, port, source)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_stop_session(self, timeout_s: float) -> dict:
+        out = self._tlt_service.stop(timeout_s)
+        if self._tlt_saved_threads is not None:
+            cores, threads = self._tlt_saved_threads
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+            self._tlt_saved_threads = None
+        return {**out, "state_version": self._tlt_service.state_version}
+
+    # ---- every rank --------------------------------------------------------------------------
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_save_drafter(self, directory: str, global_step: int) -> str:
+        return str(self._tlt_service.save_checkpoint(os.path.join(directory, f"rank_{self.rank}"), global_step))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_load_drafter(self, directory: str) -> bool:
+        return bool(self._tlt_service.load_checkpoint(os.path.join(directory, f"rank_{self.rank}")))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_drafter_metrics(self) -> dict[str, Any]:
+        return {**self._tlt_service.metrics(), "state_version": self._tlt_service.state_version}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def tlt_export_drafter(self, out_dir: str) -> str:
+        return str(self._tlt_service.export(out_dir))
+
+    def _device(self) -> str:
+        from verl.utils.device import get_device_name
+
+        return get_device_name()

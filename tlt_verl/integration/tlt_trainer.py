@@ -1,0 +1,194 @@
+"""The TLT trainer: verl's synchronous V1 trainer plus the drafter, registered as trainer mode `tlt`.
+
+`+tlt.enable=true` makes the start-up check (tlt_setup.py) select this mode; everything verl
+computes is unchanged. What it adds, through the trainer's own hooks:
+
+- the actor worker group is built from `TLTActorRolloutRefWorker` (drafter colocated per rank);
+- on_sample_begin / on_sample_end: the Spot coordinator follows the rollout and trains the
+  drafter on the ranks whose replicas drained, then preempts it;
+- on_step_end: after verl's target weight sync, the freshest drafter is exported and pushed to
+  every replica; `tlt/...` metrics go into verl's metrics dict;
+- checkpoints: the drafter of every rank is saved inside verl's `global_step_N` folder before
+  verl's own files, and resumed from it with `trainer.resume_mode`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import ray
+from omegaconf import OmegaConf
+from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.debug import marked_timer
+
+from tlt_verl.integration.config import TLTConfig
+from tlt_verl.rollout.engine import NAME
+from tlt_verl.rollout.engine.replica import server_actor_name
+from tlt_verl.spot.coordinator import ReplicaSlot, SpotCoordinator
+
+logger = logging.getLogger(__name__)
+MODE = "tlt"
+ACTOR_ROLES = (Role.ActorRollout, Role.ActorRolloutRef)
+DRAFTER_DIR = "tlt_drafter"
+
+
+def tlt_work_dir(config) -> str:
+    return os.path.join(config.trainer.default_local_dir, "tlt")
+
+
+@register_trainer(MODE)
+class TLTTrainer(PPOTrainerSync):
+    def __init__(self, config):
+        super().__init__(config)
+        self.tlt = TLTConfig.from_dict(OmegaConf.to_container(config.tlt, resolve=True))
+        self._tlt_resume_folder = None
+        self._tlt_rollout: dict = {}
+        self._tlt_pending_push = False
+        self._tlt_timelines: list = []
+
+    # ---- construction ------------------------------------------------------------------------
+
+    def _init_resource_pool_mgr(self):
+        from tlt_verl.integration.actor_worker import TLTActorRolloutRefWorker
+
+        super()._init_resource_pool_mgr()
+        for role in list(self.role_worker_mapping):
+            if role in ACTOR_ROLES:
+                self.role_worker_mapping[role] = ray.remote(TLTActorRolloutRefWorker)
+                self._tlt_actor_key = str(role)
+
+    def _load_checkpoint(self):
+        super()._load_checkpoint()
+        if self.global_steps > 0:
+            self._tlt_resume_folder = os.path.join(self.config.trainer.default_local_dir,
+                                                   f"global_step_{self.global_steps}")
+            if self.config.trainer.resume_mode == "resume_path":
+                self._tlt_resume_folder = self.config.trainer.resume_from_path
+
+    def on_init_end(self):
+        wg = self.actor_rollout_wg
+        replicas = self.llm_server_manager.get_replicas()
+        name = self.config.actor_rollout_ref.rollout.name or NAME
+        handles = list(wg.workers)
+        slots, replica_of_rank = [], {}
+        for rep in replicas:
+            ranks = [handles.index(w) for w in rep.workers]
+            for r in ranks:
+                replica_of_rank[str(r)] = rep.replica_rank
+            slots.append(ReplicaSlot(rank=rep.replica_rank, server=ray.get_actor(server_actor_name(name, rep.replica_rank)),
+                                     workers=list(rep.workers), worker_ranks=ranks))
+        self._tlt_servers = [s.server for s in slots]
+        wg.tlt_init_drafter(self._service_config(), replica_of_rank)
+        self.coordinator = SpotCoordinator(slots, self._call, self.tlt.spot)
+        if self._tlt_resume_folder is not None:
+            loaded = wg.tlt_load_drafter(os.path.join(self._tlt_resume_folder, DRAFTER_DIR))
+            policy = os.path.join(self._tlt_resume_folder, DRAFTER_DIR, "sd_policy.json")
+            if os.path.exists(policy):
+                states = json.loads(open(policy).read())
+                ray.get([s.load_sd_policy_state.remote(st) for s, st in zip(self._tlt_servers, states) if st])
+            logger.info("tlt: drafter resumed from %s on %d/%d ranks", self._tlt_resume_folder, sum(loaded), len(loaded))
+            self._tlt_pending_push = any(loaded)
+        super().on_init_end()
+        if self._tlt_pending_push:
+            self._push_drafter()
+
+    def _service_config(self) -> dict:
+        from dataclasses import asdict
+
+        d = self.tlt.drafter
+        init = None if d.init == "scratch" else d.init
+        return {"kind": d.kind, "init": init, "trainer": asdict(d.trainer), "buffer": asdict(d.buffer)}
+
+    def _call(self, worker, method: str, *args):
+        return getattr(worker, f"{self._tlt_actor_key}_{method}").remote(*args)
+
+    # ---- the rollout -------------------------------------------------------------------------
+
+    def _should_train(self) -> bool:
+        spot = self.tlt.spot
+        if self.global_steps % spot.train_every_steps == 0:
+            return True
+        acc = self._tlt_rollout.get("acceptance_length", 0.0)
+        return bool(spot.retrain_below_acceptance and 0 < acc < spot.retrain_below_acceptance)
+
+    def on_sample_begin(self):
+        super().on_sample_begin()
+        self.coordinator.begin_rollout(train=self._should_train())
+
+    def on_sample_end(self):
+        self._tlt_rollout = self.coordinator.end_rollout()
+        self._tlt_timelines.append({"step": self.global_steps, "replicas": self.coordinator.timelines()})
+        self._tlt_pending_push = self._tlt_rollout.get("train_steps", 0) > 0
+        super().on_sample_end()
+
+    def on_validate_end(self):
+        super().on_validate_end()
+        self.coordinator.resync()
+
+    def on_step_end(self):
+        t0 = time.time()
+        super().on_step_end()   # verl's target weight sync
+        t1 = time.time()
+        push_s = self._push_drafter() if self._tlt_pending_push else 0.0
+        metrics = self._metrics()
+        metrics["tlt/drafter_critical_path_s"] = self._tlt_rollout.get("preempt_s", 0.0) + push_s
+        metrics["tlt/target_sync_s"] = t1 - t0
+        self._write_timeline()
+        pending = getattr(self, "_pending_sync_metrics", None) or {}
+        self._pending_sync_metrics = {**pending, **metrics}
+
+    def _push_drafter(self) -> float:
+        t = time.time()
+        rank, worker = self.coordinator.freshest_worker()
+        out = os.path.join(tlt_work_dir(self.config), "push", f"step_{self.global_steps}")
+        folder = ray.get(self._call(worker, "tlt_export_drafter", out))
+        ray.get([s.update_drafter_from_file.remote(os.path.join(folder, "model.safetensors"))
+                 for s in self._tlt_servers])
+        self._tlt_pending_push = False
+        logger.info("tlt: pushed the drafter of rank %d to %d replicas", rank, len(self._tlt_servers))
+        return time.time() - t
+
+    def _metrics(self) -> dict[str, float]:
+        r = self._tlt_rollout
+        out = {f"tlt/spot/{k}": float(v) for k, v in r.items() if isinstance(v, (int, float))}
+        summaries = ray.get([s.take_sd_summary.remote() for s in self._tlt_servers])
+        steps = sum(s.get("decode_steps", 0) for s in summaries)
+        if steps:
+            w = [s.get("decode_steps", 0) / steps for s in summaries]
+            for key in ("sd_step_share", "acceptance_length", "decode_tokens_per_s"):
+                out[f"tlt/sd/{key}"] = sum(wi * s.get(key, 0.0) for wi, s in zip(w, summaries))
+            self._tlt_rollout["acceptance_length"] = out["tlt/sd/acceptance_length"]
+            for bucket, k in (summaries[0].get("arms") or {}).items():
+                out[f"tlt/sd/arm_bucket_{bucket}"] = float(k)
+        worker_metrics = self.actor_rollout_wg.tlt_drafter_metrics()
+        for key, value in (worker_metrics[0] if worker_metrics else {}).items():
+            if isinstance(value, (int, float)):
+                out[f"tlt/drafter/{key}"] = float(value)
+        return out
+
+    def _write_timeline(self) -> None:
+        path = os.path.join(tlt_work_dir(self.config), "spot_timeline.jsonl")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a") as f:
+            for entry in self._tlt_timelines:
+                f.write(json.dumps({**entry, "rollout": self._tlt_rollout}) + "\n")
+        self._tlt_timelines = []
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def _save_checkpoint(self):
+        folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}", DRAFTER_DIR)
+        with marked_timer("tlt_save_drafter", self.timing_raw, color="green"):
+            # Before verl's own files: once verl marks this step as the latest, its drafter is complete.
+            self.actor_rollout_wg.tlt_save_drafter(folder, self.global_steps)
+            states = ray.get([s.sd_policy_state.remote() for s in self._tlt_servers])
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, "sd_policy.json.tmp")
+            with open(tmp, "w") as f:
+                json.dump(states, f)
+            os.replace(tmp, os.path.join(folder, "sd_policy.json"))
+        super()._save_checkpoint()

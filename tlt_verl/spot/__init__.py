@@ -1,0 +1,1 @@
+"""The Spot Trainer: drafter training on rollout workers while they sit idle in the long tail."""
