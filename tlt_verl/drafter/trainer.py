@@ -9,9 +9,16 @@ computes accumulating the same two micro-batches, which is what makes data paral
 Preemption is cooperative: the stop signal is checked before every micro-step. A stop in the
 middle of an accumulation discards the partial gradients and rewinds the data cursor to the
 step's start, so weights, optimizer state, schedule and cursor always describe a completed
-step (the optimizer step itself is never interrupted). Under torch.distributed the ranks agree
-on stopping (an all-reduce MAX of the flag), since one rank leaving alone would hang the others
-in the gradient all-reduce.
+step (the optimizer step itself is never interrupted).
+
+Collectives go through a ``Reducer`` (``reducer.py``): by default the torch.distributed default
+group when one is initialised, else none; a ``GlooSession`` trains on a subset of the ranks.
+Before every micro-step the ranks agree, in one all-reduce SUM of two flags, on whether any of
+them was told to stop (one rank leaving alone would hang the others in the gradient all-reduce)
+and on how many of them have data. A rank whose buffer is still empty runs no micro-step and
+adds zero gradients; the step's gradient is divided by the number of micro-steps actually run
+across ranks. When no rank has any data at the start of a step, ``train`` returns with
+``idle=True`` instead of waiting inside a collective.
 """
 from __future__ import annotations
 
@@ -22,11 +29,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from .config import DrafterConfig, LossConfig
 from .loss import drafter_loss
 from .packing import pack
+from .reducer import Reducer, default_reducer
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,7 @@ class TrainResult:
     discarded_micro_steps: int  # of an accumulation cut short by the stop signal
     seconds: float
     history: list[dict]
+    idle: bool = False          # True: it ended because no rank had data at the start of a step
 
 
 StopSignal = threading.Event | Callable[[], bool] | None
@@ -103,16 +111,17 @@ def _stop_fn(stop: StopSignal) -> Callable[[], bool]:
     return stop
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 class DrafterTrainer:
-    def __init__(self, drafter: torch.nn.Module, buffer, cfg: TrainerConfig | None = None):
-        """``buffer``: a ``DataBuffer`` (anything with its ``sample_batches``)."""
+    def __init__(self, drafter: torch.nn.Module, buffer, cfg: TrainerConfig | None = None,
+                 reducer: Reducer | None = None):
+        """``buffer``: a ``DataBuffer`` (anything with its ``sample_batches``; one without
+        ``__len__`` is taken to always hold data). ``reducer``: the ranks training together;
+        ``None`` picks ``default_reducer()`` at each ``train`` call. It may be replaced between
+        calls (a new session)."""
         self.drafter = drafter
         self.buffer = buffer
         self.cfg = cfg or TrainerConfig()
+        self.reducer = reducer
         self.params = drafter.trainable_parameters()
         if not self.params:
             raise ValueError("DrafterTrainer: the drafter has no trainable parameters")
@@ -155,13 +164,16 @@ class DrafterTrainer:
         return self.buffer.sample_batches(c.tokens_per_micro, seed=c.seed, recency_decay=c.recency_decay,
                                           max_age_steps=c.max_age_steps, cursor=self.cursor or None)
 
-    def _stop_agreed(self, stop: Callable[[], bool]) -> bool:
-        flag = bool(stop())
-        if _distributed():
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item())
-        return flag
+    def _has_data(self) -> bool:
+        return len(self.buffer) > 0 if hasattr(self.buffer, "__len__") else True
+
+    @staticmethod
+    def _agree(reducer: Reducer, stop: Callable[[], bool], has_data: bool) -> tuple[bool, int]:
+        """(any rank stops, how many ranks have data); one collective for both."""
+        flags = torch.tensor([1 if stop() else 0, 1 if has_data else 0], dtype=torch.int32)
+        if reducer.size > 1:
+            reducer.all_reduce_sum_(flags)
+        return bool(flags[0] > 0), int(flags[1])
 
     def _micro_step(self, samples) -> dict:
         c = self.cfg
@@ -176,13 +188,12 @@ class DrafterTrainer:
         metrics["samples"] = len(samples)
         return metrics
 
-    def _reduce_and_scale(self, micro_steps: int) -> None:
+    def _reduce_and_scale(self, reducer: Reducer, micro_steps: int) -> None:
+        """``micro_steps``: run across all ranks this step (the divisor of the summed grads)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        world = 1
-        if _distributed():
-            world = dist.get_world_size()
+        if reducer.size > 1:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            reducer.all_reduce_sum_(flat)
             at = 0
             for p, g in zip(self.params, grads):
                 n = g.numel()
@@ -192,35 +203,53 @@ class DrafterTrainer:
             for p, g in zip(self.params, grads):
                 p.grad = g
         for p in self.params:
-            p.grad.div_(micro_steps * world)
+            p.grad.div_(micro_steps)
 
     def train(self, stop: StopSignal = None, max_steps: int | None = None,
-              on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
-        """Train until ``stop`` (an Event or a callable returning True) or ``max_steps`` more
-        optimizer steps. ``on_step(step, metrics)`` runs after each completed step."""
+              on_step: Callable[[int, dict], None] | None = None,
+              before_micro: Callable[[], None] | None = None) -> TrainResult:
+        """Train until ``stop`` (an Event or a callable returning True), ``max_steps`` more
+        optimizer steps, or no rank having data (``idle``). ``on_step(step, metrics)`` runs after
+        each completed step; ``before_micro()`` before each micro-step's stop check, a point where
+        weights, optimizer state, step and cursor describe a completed step (the caller's place to
+        swap target tensors or snapshot the state)."""
         should_stop = _stop_fn(stop)
+        reducer = self.reducer if self.reducer is not None else default_reducer()
         self.drafter.train()
         start = time.perf_counter()
         done = micro = discarded = 0
         history: list[dict] = []
-        batches = self._batches()
-        stopped = False
+        batches = None
+        stopped = idle = False
         while max_steps is None or done < max_steps:
             self.optimizer.zero_grad(set_to_none=True)
             step_metrics, cursor, t0 = [], self.cursor, time.perf_counter()
-            for _ in range(self.cfg.grad_accum):
-                if self._stop_agreed(should_stop):
-                    stopped = True
+            contributed = 0
+            for i in range(self.cfg.grad_accum):
+                if before_micro is not None:
+                    before_micro()
+                has_data = self._has_data()
+                stopped, with_data = self._agree(reducer, should_stop, has_data)
+                if stopped:
                     break
+                if i == 0 and with_data == 0:
+                    idle = True
+                    break
+                contributed += with_data
+                if not has_data:
+                    continue
+                if batches is None:
+                    # Created on first use: the buffer may have been empty when train() began.
+                    batches = self._batches()
                 samples, cursor = next(batches)
                 step_metrics.append(self._micro_step(samples))
                 micro += 1
-            if stopped:
+            if stopped or idle:
                 # Partial accumulation: drop it; the cursor stays at this step's start.
                 discarded += len(step_metrics)
                 self.optimizer.zero_grad(set_to_none=True)
                 break
-            self._reduce_and_scale(self.cfg.grad_accum)
+            self._reduce_and_scale(reducer, contributed)
             norm = (torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
                     if self.cfg.grad_clip > 0 else torch.nan)
             lr = lr_at(self.cfg, self.step)
@@ -230,19 +259,20 @@ class DrafterTrainer:
             self.step += 1
             self.cursor = cursor
             done += 1
+            # Local metrics: a rank that had no data this step reports no loss (nan), 0 tokens.
+            n = len(step_metrics)
             metrics = {
                 "step": self.step, "lr": lr, "grad_norm": float(norm),
-                "loss": sum(m["loss"] for m in step_metrics) / len(step_metrics),
+                "loss": sum(m["loss"] for m in step_metrics) / n if n else math.nan,
                 "samples": sum(m["samples"] for m in step_metrics),
-                "step_s": time.perf_counter() - t0,
+                "micro_steps": n, "step_s": time.perf_counter() - t0,
             }
-            for key in step_metrics[0]:
+            for key in (step_metrics[0] if n else ()):
                 if key not in metrics and key != "tokens":
-                    metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
-            if "tokens" in step_metrics[0]:
-                metrics["tokens"] = sum(m["tokens"] for m in step_metrics)
+                    metrics[key] = sum(m[key] for m in step_metrics) / n
+            metrics["tokens"] = sum(m.get("tokens", 0) for m in step_metrics)
             history.append(metrics)
             if on_step is not None:
                 on_step(self.step, metrics)
         self.optimizer.zero_grad(set_to_none=True)
-        return TrainResult(done, stopped, micro, discarded, time.perf_counter() - start, history)
+        return TrainResult(done, stopped, micro, discarded, time.perf_counter() - start, history, idle)
