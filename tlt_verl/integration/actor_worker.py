@@ -78,7 +78,9 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_save_drafter(self, directory: str, global_step: int) -> str:
-        return str(self._tlt_service.save_checkpoint(os.path.join(directory, f"rank_{self.rank}"), global_step))
+        # Waited for: the trainer writes verl's own files (which mark the step resumable) after this.
+        path = self._tlt_service.save_checkpoint(os.path.join(directory, f"rank_{self.rank}"), global_step, wait=True)
+        return str(path)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_load_drafter(self, directory: str) -> bool:

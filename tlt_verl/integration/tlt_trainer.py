@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 
@@ -90,7 +91,9 @@ class TLTTrainer(PPOTrainerSync):
             if os.path.exists(policy):
                 states = json.loads(open(policy).read())
                 ray.get([s.load_sd_policy_state.remote(st) for s, st in zip(self._tlt_servers, states) if st])
-            logger.info("tlt: drafter resumed from %s on %d/%d ranks", self._tlt_resume_folder, sum(loaded), len(loaded))
+            # verl's driver log shows prints (its loggers default to WARNING).
+            print(f"tlt: drafter resumed from {self._tlt_resume_folder} on {sum(map(bool, loaded))}/{len(loaded)} ranks",
+                  flush=True)
             self._tlt_pending_push = any(loaded)
         super().on_init_end()
         if self._tlt_pending_push:
@@ -149,7 +152,8 @@ class TLTTrainer(PPOTrainerSync):
         ray.get([s.update_drafter_from_file.remote(os.path.join(folder, "model.safetensors"))
                  for s in self._tlt_servers])
         self._tlt_pending_push = False
-        logger.info("tlt: pushed the drafter of rank %d to %d replicas", rank, len(self._tlt_servers))
+        print(f"tlt: step {self.global_steps}: pushed the drafter of rank {rank} to {len(self._tlt_servers)} replicas",
+              flush=True)
         return time.time() - t
 
     def _metrics(self) -> dict[str, float]:
@@ -166,8 +170,8 @@ class TLTTrainer(PPOTrainerSync):
                 out[f"tlt/sd/arm_bucket_{bucket}"] = float(k)
         worker_metrics = self.actor_rollout_wg.tlt_drafter_metrics()
         for key, value in (worker_metrics[0] if worker_metrics else {}).items():
-            if isinstance(value, (int, float)):
-                out[f"tlt/drafter/{key}"] = float(value)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                out[key if key.startswith("tlt/") else f"tlt/drafter/{key}"] = float(value)
         return out
 
     def _write_timeline(self) -> None:

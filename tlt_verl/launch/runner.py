@@ -177,6 +177,13 @@ def run(cfg: RunConfig) -> dict:
                    launch_to_exit_s=time.time() - t_launch, replicas=len(reps))
     result = {"summary": summary, "steps": steps}
     (run_dir / "steps.json").write_text(json.dumps(result, indent=2))
+    if any(s.get("tlt") for s in steps):
+        from tlt_verl.launch.spot_plot import load_spot_timeline, plot_spot
+
+        found = sorted(run_dir.glob("checkpoints/*/*/tlt/spot_timeline.jsonl"))
+        if found:
+            png = plot_spot(load_spot_timeline(found[-1]), steps, run_dir / "spot_timeline.png")
+            say(f"tlt-verl: long-tail timeline per replica -> {png}")
     say(
         f"tlt-verl: done in {summary['wall_s']:.0f}s | reward first-3 {summary['reward_first3']:+.3f}"
         f" -> last-3 {summary['reward_last3']:+.3f} | rollout share {summary['rollout_share']:.0%}"

@@ -67,7 +67,10 @@ class SpotCoordinator:
 
     def begin_rollout(self, train: bool) -> None:
         self._train = train
-        self.stats = {"harvested_s": 0.0, "sessions": 0, "train_steps": 0, "preempt_s": 0.0, "train_tokens": 0}
+        # harvested_s: seconds ranks spent training (summed over members); session_s: seconds ranks
+        # sat in sessions, waiting for data included.
+        self.stats = {"harvested_s": 0.0, "session_s": 0.0, "sessions": 0, "train_steps": 0, "preempt_s": 0.0,
+                      "train_tokens": 0}
         self.rollout_t0 = now = time.time()
         # Requests of this rollout may already be routed by now: a replica's work is counted from
         # the last `resync()` (the previous rollout's end, or a validation's), not from here.
@@ -171,11 +174,13 @@ class SpotCoordinator:
         end = time.time()
         for (rank, _), res in zip(sess["workers"], results):
             self.versions[rank] = int(res.get("state_version", 0))
-        self.stats["harvested_s"] += (end - sess["t0"]) * len(sess["workers"])
+        self.stats["session_s"] += (end - sess["t0"]) * len(sess["workers"])
+        # A session whose members had no data yet trained nothing: it harvested nothing.
+        self.stats["harvested_s"] += sum(float(r.get("seconds") or 0.0) for r in results if r.get("steps"))
         self.stats["train_steps"] += int(results[0].get("steps", 0)) if results else 0
         self.stats["train_tokens"] += sum(int(r.get("tokens", 0)) for r in results)
-        if results and results[0].get("loss") is not None:
-            self.stats["loss"] = float(results[0]["loss"])
+        if results and results[0].get("last_loss") is not None:
+            self.stats["loss"] = float(results[0]["last_loss"])
         for s in sess["slots"]:
             if s.state == TRAINING:
                 s.enter(DRAINED, end)
