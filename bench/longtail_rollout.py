@@ -109,9 +109,13 @@ async def run_engines(args) -> dict:
     loops["adaptive"] = AdaptiveSDLoop(sd, policy)
     engines = {m: (plain if m == "plain" else sd) for m in modes}
     try:
-        warm = round_prompts(args.target, 8, 1000)
-        for m in ("plain", "fixed_k1"):
-            await rollout(engines[m], warm, loops[m])
+        # A whole unrecorded round first: oneDNN and vLLM warm up per batch shape, and the first
+        # pass over each shape would otherwise land on whichever mode met it first.
+        warm = round_prompts(args.target, args.num_prompts, 1000)
+        for m in modes:
+            if m != "adaptive":  # the bandit learns only from recorded rounds
+                await rollout(engines[m], warm, loops[m])
+        log("warm-up round done")
         res = {m: [] for m in modes}
         for rnd in range(args.rounds):
             prompts = round_prompts(args.target, args.num_prompts, rnd)
