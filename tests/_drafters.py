@@ -1,6 +1,7 @@
-"""A tiny Llama target and EAGLE-1 drafters in vLLM's `eagle` layout, for the SD tests.
+"""Test helpers: a tiny Llama target and EAGLE-1 drafters in vLLM's `eagle` layout (SD tests),
+and the one-process reference of data-parallel drafter training (`Interleaved`).
 
-Independent of tlt_verl.drafter on purpose: these tests check the engine, not the trainer.
+Independent of tlt_verl.drafter on purpose: the SD tests check the engine, not the trainer.
 """
 from __future__ import annotations
 
@@ -93,3 +94,19 @@ def bigram_guess(target_dir: str) -> torch.Tensor:
     """The token the bigram drafter proposes after each token (for checking acceptance by hand)."""
     w = load_file(os.path.join(target_dir, "model.safetensors"))
     return (w["model.embed_tokens.weight"] @ w["lm_head.weight"].T).argmax(-1)
+
+
+class Interleaved:
+    """One process's view of two ranks' buffers: micro-batches alternate A, B, A, B ...
+
+    What data parallel over those ranks computes, accumulated in one process (the reference the
+    DP tests compare against)."""
+
+    def __init__(self, *buffers):
+        self.buffers = buffers
+
+    def sample_batches(self, max_tokens, cursor=None, **kw):
+        its = [b.sample_batches(max_tokens, **kw) for b in self.buffers]
+        while True:
+            for it in its:
+                yield next(it)[0], {}

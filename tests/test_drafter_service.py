@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from _drafters import Interleaved
 from tlt_verl.capture import BufferConfig, DataBuffer, capture_samples
 from tlt_verl.drafter import DrafterConfig, build_drafter
 from tlt_verl.drafter.checkpoint import load_latest
@@ -235,17 +236,6 @@ def setup(tmp_path_factory):
     return paths
 
 
-class Interleaved:
-    """One process's view of two members' buffers: micro-batches alternate A, B, A, B ..."""
-
-    def __init__(self, *buffers):
-        self.buffers = buffers
-
-    def sample_batches(self, max_tokens, cursor=None, **kw):
-        its = [b.sample_batches(max_tokens, **kw) for b in self.buffers]
-        while True:
-            for it in its:
-                yield next(it)[0], {}
 
 
 # ---------------------------------------------------------------- tests

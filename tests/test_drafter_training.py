@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from _drafters import Interleaved
 from tlt_verl.capture import BufferConfig, DataBuffer, capture_hidden, capture_samples
 from tlt_verl.drafter import DrafterConfig, LossConfig, build_drafter, target_tensors
 from tlt_verl.drafter.checkpoint import CheckpointError, CheckpointManager, load_latest
@@ -323,17 +324,6 @@ def test_kill_mid_write_leaves_the_last_good_checkpoint(tmp_path):
 
 # ---------------------------------------------------------------- data parallel
 
-class Interleaved:
-    """One process's view of two ranks' buffers: micro-batches alternate A, B, A, B ..."""
-
-    def __init__(self, *buffers):
-        self.buffers = buffers
-
-    def sample_batches(self, max_tokens, cursor=None, **kw):
-        its = [b.sample_batches(max_tokens, **kw) for b in self.buffers]
-        while True:
-            for it in its:
-                yield next(it)[0], {}
 
 
 def _ddp_worker(rank, path, steps):

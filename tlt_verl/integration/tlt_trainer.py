@@ -169,7 +169,9 @@ class TLTTrainer(PPOTrainerSync):
             for bucket, k in (summaries[0].get("arms") or {}).items():
                 out[f"tlt/sd/arm_bucket_{bucket}"] = float(k)
         worker_metrics = self.actor_rollout_wg.tlt_drafter_metrics()
-        for key, value in (worker_metrics[0] if worker_metrics else {}).items():
+        # Ranks whose replicas never drained did not train: report the freshest drafter, the one pushed.
+        freshest = max(worker_metrics, key=lambda m: m.get("state_version", 0), default={})
+        for key, value in freshest.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 out[key if key.startswith("tlt/") else f"tlt/drafter/{key}"] = float(value)
         return out
