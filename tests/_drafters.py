@@ -1,5 +1,6 @@
 """Test helpers: a tiny Llama target and EAGLE-1 drafters in vLLM's `eagle` layout (SD tests),
-and the one-process reference of data-parallel drafter training (`Interleaved`).
+the one-process reference of data-parallel drafter training (`Interleaved`), and random captured
+records for the drafter tests.
 
 Independent of tlt_verl.drafter on purpose: the SD tests check the engine, not the trainer.
 """
@@ -110,3 +111,15 @@ class Interleaved:
         while True:
             for it in its:
                 yield next(it)[0], {}
+
+
+def captured_records(target, n: int, vocab: int, *, seed: int = 0, kind: str = "eagle", lengths=(6, 20)):
+    """Hidden-state records of ``n`` random sequences (first 3 tokens prompt) through ``target``."""
+    from tlt_verl.capture import capture_samples
+    from tlt_verl.drafter import DrafterConfig
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g)
+            for _ in range(n)]
+    aux = DrafterConfig.from_target(target.config, kind="eagle3").aux_layer_ids if kind == "eagle3" else ()
+    return capture_samples(target, seqs, [3] * n, aux_layer_ids=aux)

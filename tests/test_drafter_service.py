@@ -12,8 +12,8 @@ import torch
 import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from _drafters import Interleaved
-from tlt_verl.capture import BufferConfig, DataBuffer, capture_samples
+from _drafters import Interleaved, captured_records
+from tlt_verl.capture import BufferConfig, DataBuffer
 from tlt_verl.drafter import DrafterConfig, build_drafter
 from tlt_verl.drafter.checkpoint import load_latest
 from tlt_verl.drafter.export import load_drafter
@@ -35,11 +35,7 @@ def tiny_target(seed=0):
 
 
 def records(target, n, seed=0, kind="eagle", lengths=(6, 20)):
-    g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, VOCAB, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g)
-            for _ in range(n)]
-    aux = DrafterConfig.from_target(target.config, kind="eagle3").aux_layer_ids if kind == "eagle3" else ()
-    return capture_samples(target, seqs, [3] * n, aux_layer_ids=aux)
+    return captured_records(target, n, VOCAB, seed=seed, kind=kind, lengths=lengths)
 
 
 def fill(buffer, recs, step=0):

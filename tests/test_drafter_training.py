@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from _drafters import Interleaved
+from _drafters import Interleaved, captured_records
 from tlt_verl.capture import BufferConfig, DataBuffer, capture_hidden, capture_samples
 from tlt_verl.drafter import DrafterConfig, LossConfig, build_drafter, target_tensors
 from tlt_verl.drafter.checkpoint import CheckpointError, CheckpointManager, load_latest
@@ -43,11 +43,7 @@ def drafter_for(target, kind="eagle", seed=1):
 
 
 def records(target, n, seed=0, kind="eagle", lengths=(6, 20)):
-    g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, VOCAB, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g)
-            for _ in range(n)]
-    aux = DrafterConfig.from_target(target.config, kind="eagle3").aux_layer_ids if kind == "eagle3" else ()
-    return capture_samples(target, seqs, [3] * n, aux_layer_ids=aux)
+    return captured_records(target, n, VOCAB, seed=seed, kind=kind, lengths=lengths)
 
 
 def fill(buffer, recs, steps):
