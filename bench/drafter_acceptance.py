@@ -31,6 +31,8 @@ from pathlib import Path
 from tlt_verl.rollout.engine.spec_metrics import counter_delta, spec_decode_counters
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench import portable_settings  # noqa: E402
 K = 3
 KINDS = ("eagle", "eagle3")
 TRAIN_PROMPT_SEED = 7          # warm-up's prompt seed: not the SFT data, not the val split
@@ -317,7 +319,7 @@ def main(argv=None) -> None:
     for p in target.parameters():
         p.requires_grad_(False)
     result = {"target": args.target, "k": K, "goals": GOALS,
-              "settings": {k: v for k, v in vars(args).items() if k not in ("phase", "spec", "phase_out")},
+              "settings": portable_settings(vars(args)),
               "data": {"train_prompts": len(train_prompts), "train_prompt_seed": TRAIN_PROMPT_SEED,
                        "train_sets": train_sets, "train_responses": len(responses),
                        "train_response_tokens": sum(lengths), "eval_prompts": len(eval_prompts),

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench import portable_settings  # noqa: E402
 DEFAULT_TARGET = REPO / ".cache/tlt/assets/sft_model"
 GOALS = {"vs_plain": 1.5, "vs_best_fixed": 1.05}
 
@@ -149,7 +151,7 @@ class _FixedK:
 def analyse(raw: dict, args) -> dict:
     modes = raw["modes"]
     plain_tokens = [r["tokens"] for r in raw["rounds"]["plain"]]
-    out = {"config": {k: v for k, v in vars(args).items() if k not in ("phase_out",)}, "modes": {}}
+    out = {"config": portable_settings(vars(args)), "modes": {}}
     for m in modes:
         rounds = raw["rounds"][m]
         identical = sum(a == b for r, ref in zip(rounds, plain_tokens) for a, b in zip(r["tokens"], ref))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import portable
 from tlt_verl.launch import timeline
 from tlt_verl.launch.runner import RunConfig, run
 
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     # Step 1 carries the engines' warm-up; the distribution is over all steps.
     report = {
         "recipe": args.recipe,
-        "summary": result["summary"],
+        "summary": {k: portable(v) for k, v in result["summary"].items() if k != "run_dir"},
         "response_length": length_distribution([e["n_tokens"] for e in events]),
         "steps": result["steps"],
     }

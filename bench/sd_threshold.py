@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench import portable_settings  # noqa: E402
 
 
 def _random_drafter(model_dir: Path, out: Path) -> Path:
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
                  "loadavg_at_end": os.getloadavg()},
         "target": str(model.relative_to(REPO)) if model.is_relative_to(REPO) else str(model),
         "drafter": "random EAGLE-1 (tlt_verl.drafter, seed 0)",
-        "args": vars(args), "seconds": time.time() - t0, "plain": plain, "sd": sd,
+        "args": portable_settings(vars(args)), "seconds": time.time() - t0, "plain": plain, "sd": sd,
         **analyse(plain, sd, rates),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
