@@ -30,27 +30,19 @@ def initial_drafter_dir(config) -> Path:
 def write_scratch_drafter(target_dir: str, kind: str, out: Path, seed: int = 0) -> Path:
     """A random drafter bound to the target's embedding and LM head, in vLLM's layout."""
     import torch
-    from safetensors import safe_open
     from transformers import AutoConfig
 
     from tlt_verl.drafter import DrafterConfig, build_drafter
     from tlt_verl.drafter.export import export_drafter
+    from tlt_verl.drafter.target_weights import load_target_tensors
 
     target_config = AutoConfig.from_pretrained(target_dir)
-    embed = head = None
-    for f in sorted(Path(target_dir).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            names = set(sf.keys())
-            if "model.embed_tokens.weight" in names:
-                embed = sf.get_tensor("model.embed_tokens.weight")
-            if "lm_head.weight" in names:
-                head = sf.get_tensor("lm_head.weight")
-    if embed is None:
-        raise ConfigError(f"actor_rollout_ref.model.path={target_dir}: no model.embed_tokens.weight in its "
-                          "safetensors (TLT needs an HF Llama/Qwen2 checkpoint)")
+    try:
+        embed, head = load_target_tensors(target_dir, bool(getattr(target_config, "tie_word_embeddings", False)))
+    except ValueError as e:
+        raise ConfigError(f"actor_rollout_ref.model.path: {e} (TLT needs an HF Llama/Qwen2 checkpoint)") from None
     torch.manual_seed(seed)
-    drafter = build_drafter(DrafterConfig.from_target(target_config, kind=kind), embed, head if head is not None else embed)
-    return export_drafter(drafter, out)
+    return export_drafter(build_drafter(DrafterConfig.from_target(target_config, kind=kind), embed, head), out)
 
 
 @register_check

@@ -14,7 +14,6 @@ computes is unchanged. What it adds, through the trainer's own hooks:
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import time
@@ -31,7 +30,6 @@ from tlt_verl.rollout.engine import NAME
 from tlt_verl.rollout.engine.replica import server_actor_name
 from tlt_verl.spot.coordinator import ReplicaSlot, SpotCoordinator
 
-logger = logging.getLogger(__name__)
 MODE = "tlt"
 ACTOR_ROLES = (Role.ActorRollout, Role.ActorRolloutRef)
 DRAFTER_DIR = "tlt_drafter"

@@ -60,12 +60,9 @@ class VllmServerAdapter(BaseRollout):
         self.last_push_s = time.time() - start
 
 
-# HF names of the tensors an EAGLE drafter shares with its target (the LM head may be tied).
-EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-
-
 def _hand_to_drafter(state: dict) -> None:
     """A drafter trained in this process reads the target's current embedding and LM head."""
+    from tlt_verl.drafter.target_weights import EMBED, LM_HEAD
     from tlt_verl.spot.registry import service
 
     svc = service()
