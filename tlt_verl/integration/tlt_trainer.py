@@ -93,6 +93,10 @@ class TLTTrainer(PPOTrainerSync):
             print(f"tlt: drafter resumed from {self._tlt_resume_folder} on {sum(map(bool, loaded))}/{len(loaded)} ranks",
                   flush=True)
             self._tlt_pending_push = any(loaded)
+            # Ranks resume at different drafter versions: the push and the next session's seed
+            # must come from the freshest one, as in the uninterrupted run.
+            versions = [int(m.get("state_version", 0)) for m in wg.tlt_drafter_metrics()]
+            self.coordinator.versions.update(dict(enumerate(versions)))
         super().on_init_end()
         if self._tlt_pending_push:
             self._push_drafter()
@@ -166,9 +170,9 @@ class TLTTrainer(PPOTrainerSync):
             self._tlt_rollout["acceptance_length"] = out["tlt/sd/acceptance_length"]
             for bucket, k in (summaries[0].get("arms") or {}).items():
                 out[f"tlt/sd/arm_bucket_{bucket}"] = float(k)
-        worker_metrics = self.actor_rollout_wg.tlt_drafter_metrics()
+        worker_metrics = self.actor_rollout_wg.tlt_drafter_metrics()   # in rank order
         # Ranks whose replicas never drained did not train: report the freshest drafter, the one pushed.
-        freshest = max(worker_metrics, key=lambda m: m.get("state_version", 0), default={})
+        freshest = worker_metrics[self.coordinator.freshest_worker()[0]] if worker_metrics else {}
         for key, value in freshest.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 out[key if key.startswith("tlt/") else f"tlt/drafter/{key}"] = float(value)

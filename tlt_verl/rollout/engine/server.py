@@ -39,8 +39,7 @@ class VllmServer:
         # Adaptive SD (tlt_verl/rollout/config.py): None for a plain engine.
         self.sd_config = AdaptiveRolloutConfig.from_rollout(config)
         self.sd_loop = None
-        self._in_flight = 0
-        self._started = self._finished = 0
+        self._started = self._finished = 0   # requests; in flight = the difference
         self._timeline_path = None
         if os.environ.get(TIMELINE_ENV):
             d = Path(os.environ[TIMELINE_ENV])
@@ -161,14 +160,16 @@ class VllmServer:
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop, extra_fields=extra)
 
     # The SD loop polls only while requests run: an idle engine has no steps to learn from.
+    @property
+    def _in_flight(self) -> int:
+        return self._started - self._finished
+
     async def _request_started(self) -> None:
-        self._in_flight += 1
         self._started += 1
         if self.sd_loop is not None and self._in_flight == 1:
             await self.sd_loop.start()
 
     async def _request_ended(self) -> None:
-        self._in_flight -= 1
         self._finished += 1
         if self.sd_loop is not None and self._in_flight == 0:
             await self.sd_loop.stop()
