@@ -59,23 +59,16 @@ def test_missing_dataset_file(inputs):
     assert "data.train_files: no such file" in line
 
 
-def test_tlt_without_drafter_source(inputs):
-    out = run_main_ppo(_args(inputs["model"], inputs["train"], "+tlt.enable=true"), cwd=inputs["dir"], timeout=120)
+@pytest.mark.parametrize("extra, expected", [
+    ([], ["tlt.drafter.init: not set", "scratch"]),
+    (["+tlt.drafter.init=scratch", "actor_rollout_ref.rollout.name=hf"],
+     ["actor_rollout_ref.rollout.name=hf is not supported by TLT"]),
+    (["+tlt.drafter.init=scratch", "+tlt.spot.train_evry_steps=2"],
+     ["tlt.spot: unknown option(s) ['train_evry_steps']"]),
+], ids=["no_drafter_source", "unsupported_rollout_engine", "unknown_option"])
+def test_tlt_bad_input(inputs, extra, expected):
+    out = run_main_ppo(_args(inputs["model"], inputs["train"], "+tlt.enable=true", *extra),
+                       cwd=inputs["dir"], timeout=120)
     line = _one_line_error(out)
-    assert "tlt.drafter.init: not set" in line and "scratch" in line
-
-
-def test_tlt_with_unsupported_rollout_engine(inputs):
-    args = _args(inputs["model"], inputs["train"], "+tlt.enable=true", "+tlt.drafter.init=scratch",
-                 "actor_rollout_ref.rollout.name=hf")
-    out = run_main_ppo(args, cwd=inputs["dir"], timeout=120)
-    line = _one_line_error(out)
-    assert "actor_rollout_ref.rollout.name=hf is not supported by TLT" in line
-
-
-def test_tlt_unknown_option(inputs):
-    args = _args(inputs["model"], inputs["train"], "+tlt.enable=true", "+tlt.drafter.init=scratch",
-                 "+tlt.spot.train_evry_steps=2")
-    out = run_main_ppo(args, cwd=inputs["dir"], timeout=120)
-    line = _one_line_error(out)
-    assert "tlt.spot: unknown option(s) ['train_evry_steps']" in line
+    for text in expected:
+        assert text in line, line
