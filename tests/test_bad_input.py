@@ -72,3 +72,22 @@ def test_tlt_bad_input(inputs, extra, expected):
     line = _one_line_error(out)
     for text in expected:
         assert text in line, line
+
+
+def test_tlt_yaml_mirrors_the_dataclasses():
+    """recipes/tlt.yaml is the documented `tlt:` block: every option, at the dataclasses' default."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import yaml
+
+    from tlt_verl.integration.config import TLTConfig
+
+    def plain(x):  # tuples in the dataclasses are lists in YAML
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return [plain(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+    documented = yaml.safe_load((Path(__file__).parents[1] / "recipes" / "tlt.yaml").read_text())["tlt"]
+    assert documented == plain(asdict(TLTConfig()))
+    assert TLTConfig.from_dict({**documented, "enable": True, "drafter": {**documented["drafter"], "init": "scratch"}})

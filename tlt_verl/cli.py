@@ -7,12 +7,21 @@ from pathlib import Path
 
 
 def _run(args) -> int:
-    from tlt_verl.launch.runner import RunConfig, RunError, run
+    import time
+
+    from tlt_verl.launch.runner import REPO, RunConfig, RunError, run
 
     cfg = RunConfig(recipe=args.recipe, steps=args.steps, overrides=args.overrides,
-                    run_dir=Path(args.run_dir) if args.run_dir else None)
+                    run_dir=Path(args.run_dir) if args.run_dir else None,
+                    tlt=args.tlt, drafter_init=args.drafter)
     try:
-        run(cfg)
+        if args.compare:
+            from tlt_verl.launch.compare import compare
+
+            out = cfg.run_dir or REPO / "runs" / f"compare-{cfg.recipe_path().stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+            compare(cfg, out)
+        else:
+            run(cfg)
     except RunError as e:
         print(f"tlt-verl: {e}", file=sys.stderr)
         return 1
@@ -74,21 +83,29 @@ def _add_drafter_parser(sub) -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        # The harness lives in bench/ (it is not part of the installed package).
+    if argv[:1] in (["bench"], ["bench-e2e"]):
+        # The harnesses live in bench/ (not part of the installed package).
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from bench.run_recipe import main as bench_main
+        from importlib import import_module
 
-        return bench_main(argv[1:])
+        module = "bench.run_recipe" if argv[0] == "bench" else "bench.tlt_e2e"
+        return import_module(module).main(argv[1:])
     p = argparse.ArgumentParser(prog="tlt-verl")
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run a recipe (default: the tiny CPU GRPO run)")
+    r = sub.add_parser("run", help="run a recipe with TLT on (default: the tiny CPU GRPO run)")
     r.add_argument("--recipe", default="tiny_cpu_grpo", help="recipe name in recipes/ or a path")
     r.add_argument("--steps", type=int, default=14)
     r.add_argument("--run-dir", default=None)
+    r.add_argument("--no-tlt", dest="tlt", action="store_false",
+                   help="stock verl: the recipe without +tlt.enable=true")
+    r.add_argument("--drafter", default="scratch",
+                   help="tlt.drafter.init: an exported EAGLE drafter folder, or scratch (default)")
+    r.add_argument("--compare", action="store_true",
+                   help="also run the recipe without TLT (same seed and data) and print the ratios")
     r.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. actor_rollout_ref.actor.optim.lr=1e-5")
     r.set_defaults(fn=_run)
     sub.add_parser("bench", help="run a recipe and write its rollout benchmark (JSON + PNG); see `bench --help`")
+    sub.add_parser("bench-e2e", help="TLT vs stock verl vs a frozen drafter, end to end (JSON + PNG); see `bench-e2e --help`")
     pr = sub.add_parser("prepare", help="build the tokenizer, task data and SFT model (cached)")
     pr.add_argument("--root", default=None)
     pr.add_argument("--force", action="store_true")
@@ -97,6 +114,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if getattr(args, "steps", 1) < 1:
         p.error("--steps must be >= 1")
+    if getattr(args, "compare", False) and not args.tlt:
+        p.error("--compare runs both arms; drop --no-tlt")
     return args.fn(args)
 
 

@@ -2,7 +2,7 @@
 
     python -m verl.trainer.main_ppo <stock overrides> +tlt.enable=true +tlt.drafter.init=scratch
 
-Mirrors recipes/tlt.yaml. Checked in the driver at start-up (tlt_verl/integration/startup_checks.py);
+Mirrors recipes/tlt.yaml (every option with its default; tests/test_bad_input.py keeps them equal). Checked in the driver at start-up (tlt_verl/integration/startup_checks.py);
 every error is one line naming the option.
 """
 from __future__ import annotations
@@ -57,6 +57,9 @@ class DrafterSection:
 
 @dataclass(frozen=True)
 class SpotSection:
+    # False: the drafter stays as tlt.drafter.init gave it (SD still runs); the frozen-drafter
+    # baseline of bench/tlt_e2e.py.
+    train_drafter: bool = True
     # Train the drafter in the long tail every N RL steps (1: every step).
     train_every_steps: int = 1
     # ... or whenever the mean acceptance length of the last rollout fell below this (0: off).

@@ -142,7 +142,26 @@ def check_cpu_options(config: DictConfig) -> None:
         # verl defaults attention to flash_attention_2, which CPU torch lacks.
         if _select(config, "actor_rollout_ref.model.override_config.attn_implementation") is None:
             config.actor_rollout_ref.model.override_config["attn_implementation"] = "sdpa"
-        # verl sizes resource pools in Ray GPUs: on CPU they are logical slots, one per rank.
+        # verl sizes resource pools in Ray GPUs: on CPU they are logical slots, one per rank
+        # (on a cluster started by docker/launch.sh, each node declares its own).
         ray_init = config.ray_kwargs.ray_init
-        if ray_init.get("num_gpus") is None:
+        if ray_init.get("num_gpus") is None and not joins_cluster(config):
             ray_init["num_gpus"] = config.trainer.n_gpus_per_node * config.trainer.nnodes
+
+
+def joins_cluster(config: DictConfig) -> bool:
+    """Whether verl's ray.init connects to a running cluster (ray_init.address or RAY_ADDRESS)."""
+    return bool(_select(config, "ray_kwargs.ray_init.address") or os.environ.get("RAY_ADDRESS"))
+
+
+@register_check
+def check_cluster_resources(config: DictConfig) -> None:
+    # ray.init refuses num_cpus / num_gpus when it connects to a running cluster: there the
+    # nodes declared their resources when they started. A recipe's local-run sizing is dropped.
+    if not joins_cluster(config):
+        return
+    ray_init = config.ray_kwargs.ray_init
+    with open_dict(config):
+        for key in ("num_cpus", "num_gpus"):
+            if ray_init.get(key) is not None:
+                ray_init[key] = None

@@ -115,6 +115,8 @@ class TLTTrainer(PPOTrainerSync):
 
     def _should_train(self) -> bool:
         spot = self.tlt.spot
+        if not spot.train_drafter:
+            return False
         if self.global_steps % spot.train_every_steps == 0:
             return True
         acc = self._tlt_rollout.get("acceptance_length", 0.0)

@@ -37,6 +37,15 @@ class RunConfig:
     overrides: list[str] = field(default_factory=list)
     assets_root: Path = DEFAULT_HOME / "assets"
     quiet: bool = False
+    # TLT on (the embedded default) with the drafter from tlt.drafter.init; off: stock verl.
+    tlt: bool = False
+    drafter_init: str = "scratch"
+
+    def all_overrides(self) -> list[str]:
+        """The recipe's extra Hydra overrides: TLT's switch first, unless the user set those keys."""
+        given = {o.lstrip("+~").split("=", 1)[0] for o in self.overrides}
+        ours = {"tlt.enable": "true", "tlt.drafter.init": self.drafter_init} if self.tlt else {}
+        return [f"+{k}={v}" for k, v in ours.items() if k not in given] + list(self.overrides)
 
     def recipe_path(self) -> Path:
         p = Path(self.recipe)
@@ -137,8 +146,9 @@ def run(cfg: RunConfig) -> dict:
         PYTHONUNBUFFERED="1",
     )
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    cmd = ["bash", str(recipe), f"hydra.run.dir={run_dir / 'hydra'}", *cfg.overrides]
-    say(f"tlt-verl: running {recipe.name} for {cfg.steps} steps; verl's log: {log_path}")
+    cmd = ["bash", str(recipe), f"hydra.run.dir={run_dir / 'hydra'}", *cfg.all_overrides()]
+    mode = f"with TLT (drafter: {cfg.drafter_init})" if cfg.tlt else "without TLT"
+    say(f"tlt-verl: running {recipe.name} {mode} for {cfg.steps} steps; verl's log: {log_path}")
     t_launch = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run_dir)

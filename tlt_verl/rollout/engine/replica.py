@@ -1,6 +1,7 @@
 """verl RolloutReplica that runs one `VllmServer` actor per replica, next to its trainer ranks."""
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 
@@ -24,6 +25,12 @@ class VllmReplica(RolloutReplica):
     async def launch_servers(self):
         node_id = await self.workers[0].__ray_call__.remote(lambda w: ray.get_runtime_context().get_node_id())
         name = server_actor_name(self.config.name or NAME, self.replica_rank)
+        env = engine_env(self.replica_rank)
+        gpus = await replica_gpus(self.workers)
+        if gpus:
+            # On GPU the server shares its trainer ranks' devices (as verl's hybrid engine does):
+            # it holds no Ray GPU of its own, sleeps while the actor trains, wakes for the rollout.
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
         server = (
             ray.remote(VllmServer)
             .options(
@@ -36,7 +43,7 @@ class VllmReplica(RolloutReplica):
                 config=self.config,
                 model_config=self.model_config,
                 replica_rank=self.replica_rank,
-                engine_env=engine_env(self.replica_rank),
+                engine_env=env,
             )
         )
         await server.launch.remote()
@@ -60,8 +67,22 @@ class VllmReplica(RolloutReplica):
         await self._server_handle.load_sd_policy_state.remote(state)
 
 
+async def replica_gpus(workers) -> list[str]:
+    """The CUDA devices Ray gave this replica's trainer ranks (none on CPU), in rank order."""
+    def visible(_w) -> str:
+        import torch
+
+        # On CPU, Ray still sets CUDA_VISIBLE_DEVICES for the logical GPU slots of verl's pools.
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "") if torch.cuda.is_available() else ""
+
+    seen = []
+    for ids in await asyncio.gather(*(w.__ray_call__.remote(visible) for w in workers)):
+        seen += [g for g in ids.split(",") if g and g not in seen]
+    return seen
+
+
 def engine_env(replica_rank: int) -> dict[str, str]:
-    """Environment of a replica's engine process on this host."""
+    """Environment of a replica's engine process on a CPU host."""
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     cores = sorted(cores)
     scratch = os.environ.get("TLT_SCRATCH") or os.path.join(tempfile.gettempdir(), f"tlt-vllm-{os.getuid()}")

@@ -86,6 +86,9 @@ class VllmServer:
         )
         if on_gpu:
             args["gpu_memory_utilization"] = self.config.gpu_memory_utilization
+            # The GPUs are the trainer ranks' (replica.py): level-1 sleep frees them for training.
+            args["enable_sleep_mode"] = True
+            args["tensor_parallel_size"] = self.config.tensor_model_parallel_size
             if self.config.cudagraph_capture_sizes:
                 args["compilation_config"] = {"cudagraph_capture_sizes": list(self.config.cudagraph_capture_sizes)}
         else:
@@ -245,13 +248,23 @@ class VllmServer:
         self.global_steps = global_steps
 
     # ---- lifecycle (verl's RolloutReplica fans these out) -------------------------------------
-    # Host memory is not released between phases on CPU: weights and KV cache stay resident.
+    # On CPU host memory is not released between phases: weights and KV cache stay resident. On
+    # GPU the engine shares its devices with the actor: it sleeps (weights to host, KV cache
+    # dropped) while the actor trains.
+
+    def _sleeps(self) -> bool:
+        import torch
+
+        return self.engine is not None and torch.cuda.is_available()
 
     async def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        return None
+        if self._sleeps() and await self.engine.is_sleeping():
+            await self.engine.wake_up(tags)
 
     async def sleep(self) -> None:
-        return None
+        if self._sleeps() and not await self.engine.is_sleeping():
+            await self.engine.reset_prefix_cache()
+            await self.engine.sleep(level=1)
 
     async def clear_kv_cache(self) -> None:
         await self.engine.reset_prefix_cache()

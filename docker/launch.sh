@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Multi-node launch: start a Ray head, join workers, submit a recipe. Run inside the image
+# (docker/Dockerfile.gpu or Dockerfile.cpu) on each node, with host networking.
+#
+#   docker/launch.sh head   [--port 6379] [--num-cpus N] [--num-gpus G] [ray start args...]
+#   docker/launch.sh worker --address HEAD:6379 [--num-cpus N] [--num-gpus G] [ray start args...]
+#   docker/launch.sh submit --address HEAD:6379 [--nodes K] -- bash recipes/<recipe>.sh [overrides...]
+#   docker/launch.sh stop
+#
+# `submit` waits until K nodes (default 1) have
+# joined, then runs the recipe's driver on this node against the cluster (RAY_ADDRESS): verl's
+# ray.init connects instead of starting a local Ray, and tlt-verl drops the recipe's local
+# num_cpus / num_gpus sizing, which Ray refuses when connecting. On CPU nodes --num-gpus declares
+# logical slots (one per trainer rank), which is what verl's resource pools count.
+set -euo pipefail
+
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+die() { echo "launch.sh: $*" >&2; exit 2; }
+
+cmd="${1:-}"; [[ -n "$cmd" ]] || usage; shift
+port=6379 address="" num_cpus="" num_gpus="" nodes=1 wait_s="${TLT_LAUNCH_WAIT_S:-300}" extra=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --port) port="$2"; shift 2 ;;
+    --address) address="$2"; shift 2 ;;
+    --num-cpus) num_cpus="$2"; shift 2 ;;
+    --num-gpus) num_gpus="$2"; shift 2 ;;
+    --nodes) nodes="$2"; shift 2 ;;
+    --) shift; break ;;
+    -h|--help) usage ;;
+    *) extra+=("$1"); shift ;;
+  esac
+done
+resources=()
+[[ -n "$num_cpus" ]] && resources+=(--num-cpus "$num_cpus")
+[[ -n "$num_gpus" ]] && resources+=(--num-gpus "$num_gpus")
+
+case "$cmd" in
+  head)
+    exec ray start --head --port "$port" --dashboard-host 0.0.0.0 --disable-usage-stats \
+      "${resources[@]}" "${extra[@]}" ;;
+  worker)
+    [[ -n "$address" ]] || die "worker: --address HEAD:PORT is required"
+    exec ray start --address "$address" --disable-usage-stats "${resources[@]}" "${extra[@]}" ;;
+  submit)
+    [[ -n "$address" ]] || die "submit: --address HEAD:PORT is required"
+    [[ $# -gt 0 ]] || die "submit: give the recipe command after --"
+    export RAY_ADDRESS="$address"
+    python - "$nodes" "$wait_s" <<'EOF'
+import sys, time
+
+import ray
+
+want, wait_s = int(sys.argv[1]), float(sys.argv[2])
+ray.init(log_to_driver=False)
+deadline = time.time() + wait_s
+while True:
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    if len(alive) >= want:
+        break
+    if time.time() > deadline:
+        sys.exit(f"launch.sh: submit: {len(alive)} of {want} nodes joined within {wait_s:.0f}s")
+    time.sleep(1)
+total = ray.cluster_resources()
+print(f"launch.sh: {len(alive)} nodes, {total.get('CPU', 0):.0f} CPUs, {total.get('GPU', 0):.0f} GPUs", flush=True)
+EOF
+    exec "$@" ;;
+  stop)
+    exec ray stop --force ;;
+  *) usage ;;
+esac

