@@ -12,7 +12,12 @@
 # ray.init connects instead of starting a local Ray, and tlt-verl drops the recipe's local
 # num_cpus / num_gpus sizing, which Ray refuses when connecting. On CPU nodes --num-gpus declares
 # logical slots (one per trainer rank), which is what verl's resource pools count.
+#
+# Ray >= 2.5x starts clusters with token authentication: every node and the driver need the
+# head's token (~/.ray/auth_token on the head; elsewhere set RAY_AUTH_TOKEN or copy the file).
+# RAY_AUTH_MODE=disabled opts out, on a private network only.
 set -euo pipefail
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 
 usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "launch.sh: $*" >&2; exit 2; }

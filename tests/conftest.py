@@ -35,3 +35,39 @@ def no_leftover_ray():
     yield
     if shutil.which("ray"):
         subprocess.run(["ray", "stop", "--force"], capture_output=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """Two Ray nodes on this machine, started with docker/launch.sh as on a real cluster: distinct
+    ports, each node half the CPUs and one logical GPU slot (one trainer rank each)."""
+    launch = ["bash", str(REPO / "docker" / "launch.sh")]
+    from ray.util import get_node_ip_address
+
+    port = _free_port()
+    address = f"{get_node_ip_address()}:{port}"
+    common = ["--num-cpus", "8", "--num-gpus", "1"]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               RAY_AUTH_MODE="token")
+    subprocess.run(["ray", "stop", "--force"], capture_output=True, env=env)
+    nodes = [
+        [*launch, "head", "--port", str(port), *common, "--dashboard-port", str(_free_port()),
+         "--ray-client-server-port", str(_free_port())],
+        [*launch, "worker", "--address", address, *common,
+         "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port())],
+    ]
+    try:
+        for cmd in nodes:
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        yield {"address": address, "launch": launch, "env": env}
+    finally:
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, env=env)

@@ -122,6 +122,20 @@ def _error_lines(log: Path) -> list[str]:
     return errs[-3:] or lines[-5:]
 
 
+def cluster_overrides(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str]) -> list[str]:
+    """On a running cluster (RAY_ADDRESS, as docker/launch.sh submit sets it) verl's workers start
+    from the nodes' environment and folder, not the driver's: hand them the environment through
+    the job's runtime_env, and the checkpoints an absolute folder under the run directory."""
+    if not os.environ.get("RAY_ADDRESS"):
+        return []
+    given = {o.lstrip("+~").split("=", 1)[0] for o in cfg.overrides}
+    # Quoted: Hydra would read PYTHONUNBUFFERED=1 as an int, which Ray's env_vars refuse.
+    out = [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in worker_env.items()]
+    if "trainer.default_local_dir" not in given:
+        out.append(f"trainer.default_local_dir={run_dir}/checkpoints/${{trainer.project_name}}/${{trainer.experiment_name}}")
+    return out
+
+
 def run(cfg: RunConfig) -> dict:
     from tlt_verl.task.prepare import prepare
 
@@ -135,18 +149,13 @@ def run(cfg: RunConfig) -> dict:
     for stale in [metrics_path, *tl_dir.glob("*.jsonl")]:
         stale.unlink(missing_ok=True)
 
-    env = dict(os.environ)
-    env.update(
-        MODEL=str(assets["model"]),
-        TRAIN=str(assets["train"]),
-        VAL=str(assets["val"]),
-        STEPS=str(cfg.steps),
-        VERL_FILE_LOGGER_PATH=str(metrics_path),
-        TLT_TIMELINE_DIR=str(tl_dir),
-        PYTHONUNBUFFERED="1",
-    )
+    # What verl's processes must see: the metrics file, the servers' timeline folder.
+    worker_env = dict(VERL_FILE_LOGGER_PATH=str(metrics_path), TLT_TIMELINE_DIR=str(tl_dir), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, MODEL=str(assets["model"]), TRAIN=str(assets["train"]), VAL=str(assets["val"]),
+               STEPS=str(cfg.steps), **worker_env)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    cmd = ["bash", str(recipe), f"hydra.run.dir={run_dir / 'hydra'}", *cfg.all_overrides()]
+    cmd = ["bash", str(recipe), f"hydra.run.dir={run_dir / 'hydra'}", *cluster_overrides(cfg, run_dir, worker_env),
+           *cfg.all_overrides()]
     mode = f"with TLT (drafter: {cfg.drafter_init})" if cfg.tlt else "without TLT"
     say(f"tlt-verl: running {recipe.name} {mode} for {cfg.steps} steps; verl's log: {log_path}")
     t_launch = time.time()
