@@ -1,17 +1,22 @@
 """`+tlt.enable=true` on the stock tiny GRPO recipe: verl's trainer with the drafter, end to end.
 
-One run of 2 steps (checkpoints at steps 1 and 2), then a resumed run to step 3 from verl's own
-checkpoint (`trainer.resume_mode=auto`). Checked: the drafter trains in the long tail on drained
+One run of 3 steps (checkpoints at steps 1 and 2) whose drafter training is SIGKILLed in the
+middle of step 3, then a resumed run to step 3 from verl's own checkpoint
+(`trainer.resume_mode=auto`). Checked: the drafter trains in the long tail on drained
 replicas and is pushed; SD runs in the rollout and the engine's log-probs still equal the actor's
 (sampling stayed the policy's own); `tlt/...` metrics reach verl's metrics; the drafter's
 checkpoint sits in verl's step folder and the resumed run continues from it.
 """
 import json
+import os
 import re
+import signal
+import threading
+import time
 
 import pytest
 
-from tlt_verl.launch.runner import RunConfig, run
+from tlt_verl.launch.runner import RunConfig, RunError, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_ray")]
 
@@ -28,16 +33,45 @@ def _metrics(run_dir):
     return out
 
 
+def _kill_drafter_in_step_3(run_dir, killed: dict, timeout_s: float = 1500) -> None:
+    """Once step 2's checkpoint is complete, SIGKILL the first process that starts training the
+    drafter (the actor rank that hosts it) while step 3 rolls out."""
+    latest = _ckpt_root(run_dir) / "latest_checkpointed_iteration.txt"
+    log, pat = run_dir / "verl.log", re.compile(r"tlt: rank \d+ \(pid (\d+)\) trains the drafter")
+    deadline, offset = time.time() + timeout_s, None
+    while time.time() < deadline:
+        if offset is None:
+            if latest.exists() and latest.read_text().strip() == "2":
+                offset = log.stat().st_size
+        else:
+            m = pat.search(log.read_text(errors="replace")[offset:])
+            if m:
+                time.sleep(0.5)   # mid-session: a few drafter micro-steps in
+                os.kill(int(m.group(1)), signal.SIGKILL)
+                killed["pid"] = int(m.group(1))
+                return
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def runs(assets, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tlt_e2e")
-    first = run(RunConfig(steps=2, run_dir=run_dir, quiet=True, assets_root=assets["root"], overrides=TLT))
+    killed: dict = {}
+    killer = threading.Thread(target=_kill_drafter_in_step_3, args=(run_dir, killed), daemon=True)
+    killer.start()
+    try:
+        run(RunConfig(steps=3, run_dir=run_dir, quiet=True, assets_root=assets["root"], overrides=TLT))
+        first_rc = 0
+    except RunError:
+        first_rc = 1
+    killer.join(timeout=5)
     m1 = _metrics(run_dir)
     log1 = (run_dir / "verl.log").read_text()
+    ckpts = sorted(p.name for p in _ckpt_root(run_dir).glob("global_step_*"))
     second = run(RunConfig(steps=3, run_dir=run_dir, quiet=True, assets_root=assets["root"],
                            overrides=TLT + ["trainer.resume_mode=auto"]))
-    return {"dir": run_dir, "first": first, "m1": m1, "log1": log1, "second": second, "m2": _metrics(run_dir),
-            "log2": (run_dir / "verl.log").read_text()}
+    return {"dir": run_dir, "m1": m1, "log1": log1, "killed": killed, "first_rc": first_rc, "ckpts": ckpts,
+            "second": second, "m2": _metrics(run_dir), "log2": (run_dir / "verl.log").read_text()}
 
 
 def _ckpt_root(run_dir):
@@ -46,7 +80,7 @@ def _ckpt_root(run_dir):
 
 def test_tlt_run_completes_and_reports_tlt_metrics(runs):
     m1 = runs["m1"]
-    assert sorted(m1) == [1, 2]
+    assert sorted(m1) == [1, 2]   # step 3 died with its drafter
     for step, m in m1.items():
         assert 0.0 < m["tlt/sd/sd_step_share"] <= 1.0, (step, m["tlt/sd/sd_step_share"])
         assert m["tlt/sd/acceptance_length"] >= 1.0
@@ -82,7 +116,7 @@ def test_spot_timeline_shows_training_on_drained_replicas(runs):
                 assert 0 <= t0 <= t1
     # The runner drew it, and its per-step records carry the TLT figures it printed.
     assert (runs["dir"] / "spot_timeline.png").stat().st_size > 10_000
-    for s in runs["first"]["steps"]:
+    for s in runs["second"]["steps"]:
         assert set(s["tlt"]) >= {"sd_share", "acceptance_length", "harvested_s", "critical_path_s"}
 
 
@@ -98,3 +132,16 @@ def test_drafter_checkpoint_in_verl_step_folder_and_resume(runs):
     assert sorted(m2) == [3]
     # The resumed drafter carries on from the saved one (its optimizer step count), not from scratch.
     assert m2[3]["tlt/drafter/state_version"] >= runs["m1"][2]["tlt/drafter/state_version"] > 0
+
+
+def test_sigkill_of_the_drafter_mid_step_loses_no_checkpoint(runs):
+    """The drafter's process was SIGKILLed while it trained in step 3: that run stopped, the
+    checkpoints of steps 1 and 2 are whole (the resumed run loaded step 2's drafter on every
+    rank, see above), no partial step-3 folder is taken for a checkpoint, and the next run
+    finished step 3 from there."""
+    assert runs["killed"].get("pid"), "no drafter session started in step 3"
+    assert runs["first_rc"] == 1
+    assert runs["ckpts"][:2] == ["global_step_1", "global_step_2"]
+    latest = _ckpt_root(runs["dir"]) / "latest_checkpointed_iteration.txt"
+    assert latest.read_text().strip() in ("2", "3")
+    assert sorted(runs["m2"]) == [3] and runs["second"]["steps"][-1]["step"] == 3

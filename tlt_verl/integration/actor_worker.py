@@ -63,6 +63,8 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
             os.sched_setaffinity(0, {core})
             torch.set_num_threads(1)
         self._tlt_service.start_session(session_id, rank, size, host, port, source)
+        # verl's driver log mirrors this: which process trains, for a person (or a test) to find.
+        print(f"tlt: rank {self.rank} (pid {os.getpid()}) trains the drafter in session {session_id}", flush=True)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_stop_session(self, timeout_s: float) -> dict:
