@@ -127,6 +127,8 @@ def test_drafter_checkpoint_in_verl_step_folder_and_resume(runs):
         assert (folder / "sd_policy.json").is_file()
         for rank in (0, 1):
             assert any((folder / f"rank_{rank}").iterdir()), folder
+        # verl ran its synchronous path (an async mode would also checkpoint its TransferQueue).
+        assert not (root / f"global_step_{step}" / "transfer_queue").exists()
     assert re.search(r"tlt: drafter resumed from \S*global_step_2 on 2/2 ranks", runs["log2"]), runs["log2"][-3000:]
     m2 = runs["m2"]
     assert sorted(m2) == [3]

@@ -19,7 +19,7 @@ import os
 import time
 
 import ray
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
@@ -31,6 +31,8 @@ from tlt_verl.rollout.engine.replica import server_actor_name
 from tlt_verl.spot.coordinator import ReplicaSlot, SpotCoordinator
 
 MODE = "tlt"
+# The verl mode TLT runs as once selected (SUPPORTED_TRAINER_MODES in config.py).
+BASE_MODE = "sync"
 ACTOR_ROLES = (Role.ActorRollout, Role.ActorRolloutRef)
 DRAFTER_DIR = "tlt_drafter"
 
@@ -42,6 +44,11 @@ def tlt_work_dir(config) -> str:
 @register_trainer(MODE)
 class TLTTrainer(PPOTrainerSync):
     def __init__(self, config):
+        # verl's base trainer switches on `trainer_mode == "sync"` (replay buffer, dataloader
+        # batching, what a checkpoint holds): once this class is picked by mode `tlt`, verl
+        # must run its synchronous path exactly, so the mode reads "sync" from here on.
+        with open_dict(config):
+            config.trainer.v1.trainer_mode = BASE_MODE
         super().__init__(config)
         self.tlt = TLTConfig.from_dict(OmegaConf.to_container(config.tlt, resolve=True))
         self._tlt_resume_folder = None
