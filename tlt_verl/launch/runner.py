@@ -41,9 +41,13 @@ class RunConfig:
     tlt: bool = False
     drafter_init: str = "scratch"
 
+    def given_keys(self) -> set[str]:
+        """The config keys the user's overrides set (`+k=v`, `++k=v`, `~k`, `k=v`)."""
+        return {o.lstrip("+~").split("=", 1)[0] for o in self.overrides}
+
     def all_overrides(self) -> list[str]:
         """The recipe's extra Hydra overrides: TLT's switch first, unless the user set those keys."""
-        given = {o.lstrip("+~").split("=", 1)[0] for o in self.overrides}
+        given = self.given_keys()
         ours = {"tlt.enable": "true", "tlt.drafter.init": self.drafter_init} if self.tlt else {}
         return [f"+{k}={v}" for k, v in ours.items() if k not in given] + list(self.overrides)
 
@@ -128,10 +132,9 @@ def cluster_overrides(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str])
     the job's runtime_env, and the checkpoints an absolute folder under the run directory."""
     if not os.environ.get("RAY_ADDRESS"):
         return []
-    given = {o.lstrip("+~").split("=", 1)[0] for o in cfg.overrides}
     # Quoted: Hydra would read PYTHONUNBUFFERED=1 as an int, which Ray's env_vars refuse.
     out = [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in worker_env.items()]
-    if "trainer.default_local_dir" not in given:
+    if "trainer.default_local_dir" not in cfg.given_keys():
         out.append(f"trainer.default_local_dir={run_dir}/checkpoints/${{trainer.project_name}}/${{trainer.experiment_name}}")
     return out
 
