@@ -234,22 +234,36 @@ def plot(result: dict, png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+def deep_target(layers: int) -> str:
+    """The task's SFT target at ``layers`` decoder layers, built once and cached like the recipe's."""
+    from tlt_verl.launch.runner import DEFAULT_HOME
+    from tlt_verl.task.prepare import assets_dirname, prepare, settings_for_layers
+
+    return str(prepare(DEFAULT_HOME / assets_dirname(layers), settings=settings_for_layers(layers),
+                       log=log)["model"])
+
+
 def train_drafter(args, work: Path) -> str:
-    out = work / "drafter"
+    # One folder per target and budget: a drafter only fits the target it was trained on.
+    out = work / f"drafter_{args.method}_{Path(args.target).parent.name}_{args.train_prompts}p_{args.train_s}s"
     if not (out / "model.safetensors").exists():
         log(f"training an {args.method} drafter for {args.train_s}s")
         subprocess.run([sys.executable, "-m", "tlt_verl.cli", "drafter", "warmup", "--target", args.target,
-                        "--out", str(out), "--kind", args.method, "--budget-s", str(args.train_s)],
+                        "--out", str(out), "--kind", args.method, "--budget-s", str(args.train_s),
+                        "--prompts", str(args.train_prompts), "--generator", "vllm"],
                        check=True, cwd=str(REPO))
     return str(out)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=str(DEFAULT_TARGET))
+    ap.add_argument("--target", default=None, help="an HF target folder (default: the recipe's SFT model)")
+    ap.add_argument("--target-layers", type=int, default=None,
+                    help="use the task's SFT target at this depth instead (built and cached on first use)")
     ap.add_argument("--drafter", default=None, help="an exported drafter folder (vLLM layout)")
     ap.add_argument("--method", default="eagle", choices=("eagle", "eagle3"))
     ap.add_argument("--train-s", type=int, default=120)
+    ap.add_argument("--train-prompts", type=int, default=256, help="task prompts whose responses train the drafter")
     ap.add_argument("--work", default="/tmp/tlt-bench-longtail")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -268,6 +282,10 @@ def main(argv=None) -> None:
     if args.threshold is None:
         from tlt_verl.rollout.policy.sd_policy import DEFAULT_THRESHOLD
         args.threshold = DEFAULT_THRESHOLD
+    if args.target is not None and args.target_layers is not None:
+        ap.error("give --target or --target-layers, not both")
+    if args.target is None:
+        args.target = deep_target(args.target_layers) if args.target_layers else str(DEFAULT_TARGET)
     if args.phase_out:
         Path(args.phase_out).write_text(json.dumps(asyncio.run(run_engines(args))))
         return

@@ -416,3 +416,28 @@ def test_stratified_train_order_gives_every_batch_the_same_length_mix(tmp_path):
     # Unstratified order (the default) keeps the generated stream.
     plain = read_rows(write_parquet(tmp_path / "plain.parquet", n, seed=5, split="train"))
     assert [r["extra_info"]["index"] for r in plain] == list(range(n))
+
+
+def test_deeper_targets_get_their_own_assets_and_sft_budget():
+    default = prepare_mod.PrepareSettings()
+    assert prepare_mod.settings_for_layers(None) == default
+    assert prepare_mod.settings_for_layers(default.model.num_hidden_layers) == default
+    deep = prepare_mod.settings_for_layers(16)
+    assert deep.model.num_hidden_layers == 16 and deep.model.hidden_size == default.model.hidden_size
+    assert deep.sft.budget_s == 16 * prepare_mod.SFT_BUDGET_S_PER_LAYER > default.sft.budget_s
+    assert deep.sft.max_steps == default.sft.max_steps  # the same recipe, only deeper
+    stages = prepare_mod._stage_settings
+    assert stages(deep)["model"] != stages(default)["model"] and stages(deep)["data"] == stages(default)["data"]
+    assert prepare_mod.assets_dirname(None) == prepare_mod.assets_dirname(4) == "assets"
+    assert prepare_mod.assets_dirname(16) == "assets_L16"
+    with pytest.raises(ValueError, match="layers=0"):
+        prepare_mod.settings_for_layers(0)
+
+
+def test_prepare_cli_refuses_a_bad_depth_in_one_line():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tlt_verl.cli", "prepare", "--layers", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.strip() == "tlt-verl: prepare --layers=0: must be >= 1"

@@ -30,9 +30,14 @@ def _run(args) -> int:
 
 def _prepare(args) -> int:
     from tlt_verl.launch.runner import DEFAULT_HOME
-    from tlt_verl.task.prepare import prepare
+    from tlt_verl.task.prepare import assets_dirname, prepare, settings_for_layers
 
-    prepare(Path(args.root or DEFAULT_HOME / "assets"), force=args.force)
+    try:
+        settings = settings_for_layers(args.layers)
+    except ValueError as e:
+        print(f"tlt-verl: prepare --{e}", file=sys.stderr)
+        return 1
+    prepare(Path(args.root or DEFAULT_HOME / assets_dirname(args.layers)), force=args.force, settings=settings)
     return 0
 
 
@@ -109,6 +114,8 @@ def main(argv=None) -> int:
     pr = sub.add_parser("prepare", help="build the tokenizer, task data and SFT model (cached)")
     pr.add_argument("--root", default=None)
     pr.add_argument("--force", action="store_true")
+    pr.add_argument("--layers", type=int, default=None,
+                    help="a deeper SFT model for the rollout benchmark (default: the recipe's 4 layers)")
     pr.set_defaults(fn=_prepare)
     _add_drafter_parser(sub)
     args = p.parse_args(argv)
