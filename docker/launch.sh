@@ -40,16 +40,31 @@ resources=()
 [[ -n "$num_cpus" ]] && resources+=(--num-cpus "$num_cpus")
 [[ -n "$num_gpus" ]] && resources+=(--num-gpus "$num_gpus")
 
+# The token every node and the driver present: RAY_AUTH_TOKEN, else this file.
+token_file="${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}"
+have_token() { [[ "$RAY_AUTH_MODE" != token || -n "${RAY_AUTH_TOKEN:-}" || -s "$token_file" ]]; }
+need_token() {
+  have_token || die "$1: no Ray auth token: copy the head's $token_file here (or set RAY_AUTH_TOKEN)"
+}
+
 case "$cmd" in
   head)
+    if ! have_token; then
+      # ray start refuses to create one itself; the head is where a cluster's token is born.
+      mkdir -p "$(dirname "$token_file")"
+      (umask 077; python -c 'import secrets; print(secrets.token_hex(32), end="")' > "$token_file")
+      echo "launch.sh: head: new cluster token in $token_file; give it to every node and the driver" >&2
+    fi
     exec ray start --head --port "$port" --dashboard-host 0.0.0.0 --disable-usage-stats \
       "${resources[@]}" "${extra[@]}" ;;
   worker)
     [[ -n "$address" ]] || die "worker: --address HEAD:PORT is required"
+    need_token worker
     exec ray start --address "$address" --disable-usage-stats "${resources[@]}" "${extra[@]}" ;;
   submit)
     [[ -n "$address" ]] || die "submit: --address HEAD:PORT is required"
     [[ $# -gt 0 ]] || die "submit: give the recipe command after --"
+    need_token submit
     export RAY_ADDRESS="$address"
     python - "$nodes" "$wait_s" <<'EOF'
 import sys, time

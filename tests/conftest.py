@@ -46,9 +46,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def two_node_cluster():
+def two_node_cluster(tmp_path_factory):
     """Two Ray nodes on this machine, started with docker/launch.sh as on a real cluster: distinct
-    ports, each node half the CPUs and one logical GPU slot (one trainer rank each)."""
+    ports, each node half the CPUs and one logical GPU slot (one trainer rank each). The cluster's
+    token file starts absent, so the head creates it as on a fresh cluster."""
     launch = ["bash", str(REPO / "docker" / "launch.sh")]
     from ray.util import get_node_ip_address
 
@@ -56,7 +57,8 @@ def two_node_cluster():
     address = f"{get_node_ip_address()}:{port}"
     common = ["--num-cpus", "8", "--num-gpus", "1"]
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               RAY_AUTH_MODE="token")
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path_factory.mktemp("ray_auth") / "auth_token"))
+    env.pop("RAY_AUTH_TOKEN", None)
     subprocess.run(["ray", "stop", "--force"], capture_output=True, env=env)
     nodes = [
         [*launch, "head", "--port", str(port), *common, "--dashboard-port", str(_free_port()),
@@ -68,6 +70,8 @@ def two_node_cluster():
         for cmd in nodes:
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
             assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+            if cmd[2] == "head":
+                assert "new cluster token" in out.stderr and len(Path(env["RAY_AUTH_TOKEN_PATH"]).read_text()) == 64
         yield {"address": address, "launch": launch, "env": env}
     finally:
         subprocess.run(["ray", "stop", "--force"], capture_output=True, env=env)

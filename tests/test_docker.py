@@ -40,3 +40,14 @@ def test_launch_script_bad_use(args, expected):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"launch.sh: {expected}"]
 
+
+
+@pytest.mark.parametrize("cmd", [["worker", "--address", "127.0.0.1:1"],
+                                 ["submit", "--address", "127.0.0.1:1", "--", "true"]])
+def test_nodes_without_the_cluster_token_are_refused_in_one_line(cmd, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_TOKEN")}
+    env["HOME"] = str(tmp_path)
+    out = subprocess.run(["bash", str(REPO / "docker" / "launch.sh"), *cmd], capture_output=True, text=True, env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"launch.sh: {cmd[0]}: no Ray auth token: copy the head's {tmp_path}/.ray/auth_token here (or set RAY_AUTH_TOKEN)"]
