@@ -282,13 +282,13 @@ def main(argv=None) -> None:
     if args.threshold is None:
         from tlt_verl.rollout.policy.sd_policy import DEFAULT_THRESHOLD
         args.threshold = DEFAULT_THRESHOLD
+    if args.phase_out:  # the child: the parent passes the target it resolved as --target
+        Path(args.phase_out).write_text(json.dumps(asyncio.run(run_engines(args))))
+        return
     if args.target is not None and args.target_layers is not None:
         ap.error("give --target or --target-layers, not both")
     if args.target is None:
         args.target = deep_target(args.target_layers) if args.target_layers else str(DEFAULT_TARGET)
-    if args.phase_out:
-        Path(args.phase_out).write_text(json.dumps(asyncio.run(run_engines(args))))
-        return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if args.drafter is None:
@@ -299,7 +299,7 @@ def main(argv=None) -> None:
     env = dict(os.environ, TLT_SCRATCH=str(scratch), TMPDIR=str(scratch / "tmp"), PYTHONUNBUFFERED="1")
     raw_path = work / "raw.json"
     subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
-                    "--drafter", args.drafter, "--phase-out", str(raw_path)], env=env, check=True, cwd=str(REPO))
+                    "--target", args.target, "--drafter", args.drafter, "--phase-out", str(raw_path)], env=env, check=True, cwd=str(REPO))
     result = analyse(json.loads(raw_path.read_text()), args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

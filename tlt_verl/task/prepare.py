@@ -311,7 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = PrepareSettings()
     if args.sft_steps is not None:
         settings = replace(settings, sft=replace(settings.sft, max_steps=args.sft_steps))
-    settings = settings_for_layers(args.layers, settings)
+    try:
+        settings = settings_for_layers(args.layers, settings)
+    except ValueError as e:
+        parser.error(f"--{e}")
 
     start = time.perf_counter()
     paths = prepare(args.root, force=args.force, settings=settings)
