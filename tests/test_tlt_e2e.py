@@ -1,8 +1,7 @@
 """`+tlt.enable=true` on the stock tiny GRPO recipe: verl's trainer with the drafter, end to end.
 
-One run of 3 steps (checkpoints at steps 1 and 2) whose drafter training is SIGKILLed in the
-middle of step 3, then a resumed run to step 3 from verl's own checkpoint
-(`trainer.resume_mode=auto`). Checked: the drafter trains in the long tail on drained
+One run of 3 steps (checkpoints every step) whose drafter process is SIGKILLed while it trains
+in step 3, then a resumed run to step 4 from verl's own checkpoint (`trainer.resume_mode=auto`). Checked: the drafter trains in the long tail on drained
 replicas and is pushed; SD runs in the rollout and the engine's log-probs still equal the actor's
 (sampling stayed the policy's own); `tlt/...` metrics reach verl's metrics; the drafter's
 checkpoint sits in verl's step folder and the resumed run continues from it.
@@ -34,8 +33,8 @@ def _metrics(run_dir):
 
 
 def _kill_drafter_in_step_3(run_dir, killed: dict, timeout_s: float = 1500) -> None:
-    """Once step 2's checkpoint is complete, SIGKILL the first process that starts training the
-    drafter (the actor rank that hosts it) while step 3 rolls out."""
+    """Once step 2's checkpoint is complete, SIGKILL the first drafter process that starts
+    training while step 3 rolls out (the child of the actor rank that hosts it)."""
     latest = _ckpt_root(run_dir) / "latest_checkpointed_iteration.txt"
     log, pat = run_dir / "verl.log", re.compile(r"tlt: rank \d+ \(pid (\d+)\) trains the drafter")
     deadline, offset = time.time() + timeout_s, None
@@ -60,17 +59,16 @@ def runs(assets, tmp_path_factory):
     killer = threading.Thread(target=_kill_drafter_in_step_3, args=(run_dir, killed), daemon=True)
     killer.start()
     try:
-        run(RunConfig(steps=3, run_dir=run_dir, quiet=True, assets_root=assets["root"], overrides=TLT))
-        first_rc = 0
-    except RunError:
-        first_rc = 1
+        first = run(RunConfig(steps=3, run_dir=run_dir, quiet=True, assets_root=assets["root"], overrides=TLT))
+    except RunError as e:
+        first = {"error": str(e)}
     killer.join(timeout=5)
     m1 = _metrics(run_dir)
     log1 = (run_dir / "verl.log").read_text()
     ckpts = sorted(p.name for p in _ckpt_root(run_dir).glob("global_step_*"))
-    second = run(RunConfig(steps=3, run_dir=run_dir, quiet=True, assets_root=assets["root"],
+    second = run(RunConfig(steps=4, run_dir=run_dir, quiet=True, assets_root=assets["root"],
                            overrides=TLT + ["trainer.resume_mode=auto"]))
-    return {"dir": run_dir, "m1": m1, "log1": log1, "killed": killed, "first_rc": first_rc, "ckpts": ckpts,
+    return {"dir": run_dir, "m1": m1, "log1": log1, "killed": killed, "first": first, "ckpts": ckpts,
             "second": second, "m2": _metrics(run_dir), "log2": (run_dir / "verl.log").read_text()}
 
 
@@ -80,7 +78,7 @@ def _ckpt_root(run_dir):
 
 def test_tlt_run_completes_and_reports_tlt_metrics(runs):
     m1 = runs["m1"]
-    assert sorted(m1) == [1, 2]   # step 3 died with its drafter
+    assert sorted(m1) == [1, 2, 3], runs["first"].get("error")
     for step, m in m1.items():
         assert 0.0 < m["tlt/sd/sd_step_share"] <= 1.0, (step, m["tlt/sd/sd_step_share"])
         assert m["tlt/sd/acceptance_length"] >= 1.0
@@ -122,28 +120,33 @@ def test_spot_timeline_shows_training_on_drained_replicas(runs):
 
 def test_drafter_checkpoint_in_verl_step_folder_and_resume(runs):
     root = _ckpt_root(runs["dir"])
-    for step in (1, 2):
+    for step in (1, 2, 3):
         folder = root / f"global_step_{step}" / "tlt_drafter"
         assert (folder / "sd_policy.json").is_file()
         for rank in (0, 1):
             assert any((folder / f"rank_{rank}").iterdir()), folder
         # verl ran its synchronous path (an async mode would also checkpoint its TransferQueue).
         assert not (root / f"global_step_{step}" / "transfer_queue").exists()
-    assert re.search(r"tlt: drafter resumed from \S*global_step_2 on 2/2 ranks", runs["log2"]), runs["log2"][-3000:]
+    assert re.search(r"tlt: drafter resumed from \S*global_step_3 on 2/2 ranks", runs["log2"]), runs["log2"][-3000:]
     m2 = runs["m2"]
-    assert sorted(m2) == [3]
+    assert sorted(m2) == [4]
     # The resumed drafter carries on from the saved one (its optimizer step count), not from scratch.
-    assert m2[3]["tlt/drafter/state_version"] >= runs["m1"][2]["tlt/drafter/state_version"] > 0
+    assert m2[4]["tlt/drafter/state_version"] >= runs["m1"][3]["tlt/drafter/state_version"] > 0
 
 
 def test_sigkill_of_the_drafter_mid_step_loses_no_checkpoint(runs):
-    """The drafter's process was SIGKILLed while it trained in step 3: that run stopped, the
-    checkpoints of steps 1 and 2 are whole (the resumed run loaded step 2's drafter on every
-    rank, see above), no partial step-3 folder is taken for a checkpoint, and the next run
-    finished step 3 from there."""
-    assert runs["killed"].get("pid"), "no drafter session started in step 3"
-    assert runs["first_rc"] == 1
-    assert runs["ckpts"][:2] == ["global_step_1", "global_step_2"]
+    """The drafter's process was SIGKILLed while it trained in step 3: the actor rank that hosts it
+    lived on, restarted it from step 2's drafter checkpoint, and the run finished all 3 steps with
+    every checkpoint whole (the resumed run loaded step 3's drafter on every rank, see above)."""
+    pid = runs["killed"].get("pid")
+    assert pid, "no drafter session started in step 3"
+    assert "error" not in runs["first"], runs["first"]["error"]
+    assert f"tlt: drafter process {pid} died (killed by signal 9)" in runs["log1"]
+    assert re.search(r"tlt: drafter process \d+ resumed from \S*global_step_2/tlt_drafter/rank_\d/ckpt-\S+\.pt",
+                     runs["log1"]), runs["log1"][-3000:]
+    m1 = runs["m1"]
+    assert m1[2]["tlt/drafter/restarts"] == 0 and m1[3]["tlt/drafter/restarts"] == 1
+    assert runs["ckpts"] == ["global_step_1", "global_step_2", "global_step_3"]
     latest = _ckpt_root(runs["dir"]) / "latest_checkpointed_iteration.txt"
-    assert latest.read_text().strip() in ("2", "3")
-    assert sorted(runs["m2"]) == [3] and runs["second"]["steps"][-1]["step"] == 3
+    assert latest.read_text().strip() == "4"
+    assert sorted(runs["m2"]) == [4] and runs["second"]["steps"][-1]["step"] == 4

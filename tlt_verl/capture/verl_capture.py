@@ -59,9 +59,9 @@ class CaptureStats:
 
 
 class _Capture:
-    def __init__(self, cfg: CaptureConfig):
+    def __init__(self, cfg: CaptureConfig, sink=None):
         self.cfg = cfg
-        self.buffer = DataBuffer(cfg.buffer)
+        self.buffer = DataBuffer(cfg.buffer) if sink is None else sink
         self.stats = CaptureStats()
         self.warned_untagged = False
 
@@ -73,13 +73,16 @@ _state: _Capture | None = None
 _active: tuple[object, "LogProbPass"] | None = None
 
 
-def enable(kind: str, aux_layer_ids: Sequence[int] = (), buffer_config: BufferConfig | None = None) -> DataBuffer:
+def enable(kind: str, aux_layer_ids: Sequence[int] = (), buffer_config: BufferConfig | None = None,
+           sink=None) -> DataBuffer:
     """Start capturing in this process into a new buffer, which is returned. ``buffer_config``
-    defaults to ``BufferConfig(kind=kind)``; enabling again replaces the buffer."""
+    defaults to ``BufferConfig(kind=kind)``; enabling again replaces the buffer. ``sink``: capture
+    into that object instead (anything with ``DataBuffer.add``'s signature, such as the
+    ``StagingBuffer`` a drafter hosted in another process is fed from)."""
     global _state
     cfg = CaptureConfig(kind, tuple(int(k) for k in aux_layer_ids), buffer_config or BufferConfig(kind=kind))
     with _lock:
-        _state = _Capture(cfg)
+        _state = _Capture(cfg, sink)
         return _state.buffer
 
 

@@ -1,22 +1,21 @@
-"""verl's actor worker with the drafter colocated in the same process.
+"""verl's actor worker with the drafter colocated on the same resources.
 
 The TLT trainer builds its actor worker group from this class instead of verl's
-`ActorRolloutRefWorker` (same resource pool, same ranks): each rank's process then owns a
-`DrafterService` (the drafter, its optimizer, its buffer shard), which the actor's own old
-log-prob pass fills through the capture hooks, without moving hidden states between processes.
-The methods below are the drafter worker group's interface; the coordinator calls the session
-ones on single workers, the rest go to every rank.
+`ActorRolloutRefWorker` (same resource pool, same ranks): each rank then hosts a drafter (a
+`DrafterService` in a child process, `DrafterProcess`: the drafter, its optimizer, its buffer
+shard), which the actor's own old log-prob pass fills through the capture hooks. The child is
+what a crash or a SIGKILL of drafter training takes down, never the actor; it is restarted from
+the drafter's last checkpoint. The methods below are the drafter worker group's interface; the
+coordinator calls the session ones on single workers, the rest go to every rank.
 
-While a session trains, the process is pinned to its replica's core with one torch thread:
-the other replicas' engines are still decoding on the other cores.
+On CPU the child is pinned to its replica's core with one torch thread: while it trains, the
+other replicas' engines are still decoding on the other cores.
 """
 from __future__ import annotations
 
 import os
 import socket
 from typing import Any, Optional
-
-import torch
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
@@ -31,18 +30,19 @@ def _core_of(replica_rank: int) -> Optional[int]:
 
 class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
     _tlt_service = None
-    _tlt_saved_threads: Optional[tuple[set, int]] = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_init_drafter(self, service_config: dict, replica_of_rank: dict) -> dict:
         from tlt_verl.spot import registry
-        from tlt_verl.spot.drafter_service import DrafterService, DrafterServiceConfig
+        from tlt_verl.spot.drafter_process import DrafterProcess
+        from tlt_verl.spot.drafter_service import DrafterServiceConfig
 
         target = self.config.model.get("local_path") or self.config.model.path
-        self._tlt_service = DrafterService(str(target), DrafterServiceConfig.from_dict(service_config))
         self._tlt_replica = int(replica_of_rank[str(self.rank)])
+        core = _core_of(self._tlt_replica) if self._device() == "cpu" else None
+        self._tlt_service = DrafterProcess(str(target), DrafterServiceConfig.from_dict(service_config), core=core)
         registry.set_service(self._tlt_service)
-        return {"rank": self.rank, "replica": self._tlt_replica}
+        return {"rank": self.rank, "replica": self._tlt_replica, "pid": self._tlt_service.pid}
 
     # ---- sessions (one worker at a time, from the coordinator) -------------------------------
 
@@ -56,25 +56,15 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_start_session(self, session_id: str, rank: int, size: int, host: str, port: int, source: int) -> None:
-        core = _core_of(self._tlt_replica) if torch.device(self._device()).type == "cpu" else None
-        if core is not None and hasattr(os, "sched_setaffinity"):
-            # The training thread inherits this thread's affinity when the service starts it.
-            self._tlt_saved_threads = (os.sched_getaffinity(0), torch.get_num_threads())
-            os.sched_setaffinity(0, {core})
-            torch.set_num_threads(1)
         self._tlt_service.start_session(session_id, rank, size, host, port, source)
         # verl's driver log mirrors this: which process trains, for a person (or a test) to find.
-        print(f"tlt: rank {self.rank} (pid {os.getpid()}) trains the drafter in session {session_id}", flush=True)
+        print(f"tlt: rank {self.rank} (pid {self._tlt_service.pid}) trains the drafter in session {session_id}",
+              flush=True)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_stop_session(self, timeout_s: float) -> dict:
-        out = self._tlt_service.stop(timeout_s)
-        if self._tlt_saved_threads is not None:
-            cores, threads = self._tlt_saved_threads
-            os.sched_setaffinity(0, cores)
-            torch.set_num_threads(threads)
-            self._tlt_saved_threads = None
-        return {**out, "state_version": self._tlt_service.state_version}
+        # The stats carry the member's state version (0 for a member whose process died in the session).
+        return self._tlt_service.stop(timeout_s)
 
     # ---- every rank --------------------------------------------------------------------------
 

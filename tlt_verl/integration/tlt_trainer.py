@@ -147,8 +147,12 @@ class TLTTrainer(PPOTrainerSync):
         t0 = time.time()
         super().on_step_end()   # verl's target weight sync
         t1 = time.time()
+        worker_metrics = self.actor_rollout_wg.tlt_drafter_metrics()   # in rank order
+        # A drafter process that died in the session came back at its last checkpoint's version:
+        # the push and the next session's seed go by the versions the ranks hold now.
+        self.coordinator.versions.update({r: int(m.get("state_version", 0)) for r, m in enumerate(worker_metrics)})
         push_s = self._push_drafter() if self._tlt_pending_push else 0.0
-        metrics = self._metrics()
+        metrics = self._metrics(worker_metrics)
         metrics["tlt/drafter_critical_path_s"] = self._tlt_rollout.get("preempt_s", 0.0) + push_s
         metrics["tlt/target_sync_s"] = t1 - t0
         self._write_timeline()
@@ -167,7 +171,7 @@ class TLTTrainer(PPOTrainerSync):
               flush=True)
         return time.time() - t
 
-    def _metrics(self) -> dict[str, float]:
+    def _metrics(self, worker_metrics: list[dict]) -> dict[str, float]:
         r = self._tlt_rollout
         out = {f"tlt/spot/{k}": float(v) for k, v in r.items() if isinstance(v, (int, float))}
         summaries = ray.get([s.take_sd_summary.remote() for s in self._tlt_servers])
@@ -179,12 +183,13 @@ class TLTTrainer(PPOTrainerSync):
             self._tlt_rollout["acceptance_length"] = out["tlt/sd/acceptance_length"]
             for bucket, k in (summaries[0].get("arms") or {}).items():
                 out[f"tlt/sd/arm_bucket_{bucket}"] = float(k)
-        worker_metrics = self.actor_rollout_wg.tlt_drafter_metrics()   # in rank order
         # Ranks whose replicas never drained did not train: report the freshest drafter, the one pushed.
         freshest = worker_metrics[self.coordinator.freshest_worker()[0]] if worker_metrics else {}
         for key, value in freshest.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 out[key if key.startswith("tlt/") else f"tlt/drafter/{key}"] = float(value)
+        # Drafter processes restarted after dying, all ranks, since the run (re)started.
+        out["tlt/drafter/restarts"] = float(sum(m.get("tlt/drafter/restarts", 0.0) for m in worker_metrics))
         return out
 
     def _write_timeline(self) -> None:

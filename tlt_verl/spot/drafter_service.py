@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from tlt_verl.capture.buffer import KINDS, BufferConfig
+from tlt_verl.capture.buffer import KINDS, BufferConfig, DataBuffer
 from tlt_verl.drafter import DrafterConfig, build_drafter
 from tlt_verl.drafter.checkpoint import CheckpointError, CheckpointManager, SaveHandle, load_latest, snapshot
 from tlt_verl.drafter.export import LAYOUTS, export_drafter, load_drafter, read_drafter_config
@@ -130,7 +130,9 @@ def _session_stats(session_id: str, rank: int, size: int, source_rank: int) -> d
 
 
 class DrafterService:
-    def __init__(self, target_dir: str, cfg: DrafterServiceConfig | None = None):
+    def __init__(self, target_dir: str, cfg: DrafterServiceConfig | None = None, capture: bool = True):
+        """``capture``: fill the buffer from this process's actor log-prob pass (verl_capture);
+        False: the buffer is filled through ``add_samples`` (a service hosted in a child process)."""
         from transformers import AutoConfig
 
         from tlt_verl.capture import verl_capture
@@ -155,9 +157,12 @@ class DrafterService:
             else:
                 drafter = build_drafter(drafter_cfg, embed, head)
         self.drafter = drafter.to(self.device)
-        if verl_capture.enabled():
-            log.warning("drafter service: capture was already enabled in this process; its buffer is replaced")
-        self.buffer = verl_capture.enable(cfg.kind, self.drafter.cfg.aux_layer_ids, cfg.buffer)
+        if not capture:
+            self.buffer = DataBuffer(cfg.buffer)
+        else:
+            if verl_capture.enabled():
+                log.warning("drafter service: capture was already enabled in this process; its buffer is replaced")
+            self.buffer = verl_capture.enable(cfg.kind, self.drafter.cfg.aux_layer_ids, cfg.buffer)
         self.trainer = DrafterTrainer(self.drafter, self.buffer, cfg.trainer, reducer=LocalReducer())
 
         self._lock = threading.Lock()
@@ -180,6 +185,17 @@ class DrafterService:
         """Optimizer steps behind the current weights (adopted from the source in a session,
         restored from a checkpoint): the freshest member has the highest."""
         return self.trainer.step
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """The target layers whose states the drafter reads (besides the last): what capture hooks."""
+        return tuple(self.drafter.cfg.aux_layer_ids)
+
+    def add_samples(self, samples: list[tuple]) -> int:
+        """Store captured samples (``DataBuffer.add`` arguments, oldest first); returns the buffer size."""
+        for sample in samples:
+            self.buffer.add(*sample)
+        return len(self.buffer)
 
     @property
     def is_training(self) -> bool:
@@ -344,7 +360,7 @@ class DrafterService:
         thread was still alive after ``timeout_s``."""
         th = self._thread
         if th is None:
-            return dict(self._stats) or _session_stats("", 0, 1, 0)
+            return {**(dict(self._stats) or _session_stats("", 0, 1, 0)), "state_version": self.state_version}
         t0 = time.perf_counter()
         was_alive = th.is_alive()
         self._stop.set()

@@ -1,0 +1,133 @@
+"""DrafterProcess: the drafter service in a child process, which survives that process's death.
+
+A tiny random Qwen2 target on CPU. Samples enter as the actor's capture hands them over (into the
+staging buffer of this process); the child trains on them; it is SIGKILLed mid-session and must
+come back at its last checkpoint, with the latest target tensors, and train on."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from _drafters import captured_records
+from tlt_verl.capture import verl_capture
+from tlt_verl.drafter.reducer import free_port
+from tlt_verl.drafter.trainer import TrainerConfig
+from tlt_verl.spot.drafter_process import DrafterProcess
+from tlt_verl.spot.drafter_service import DrafterServiceConfig
+
+from test_drafter_service import VOCAB, tiny_target
+
+HOST = "127.0.0.1"
+
+
+def cfg(**kw):
+    trainer = TrainerConfig(lr=3e-3, warmup_steps=2, total_steps=200, grad_accum=1, tokens_per_micro=48, row_len=48)
+    return DrafterServiceConfig(kind="eagle", init_seed=0, trainer=trainer, idle_poll_s=0.02, **kw)
+
+
+def capture_into_this_process(target, n, seed, step):
+    """What the actor's log-prob pass does: add to whatever capture sink this process has."""
+    sink = verl_capture.buffer()
+    for r in captured_records(target, n, VOCAB, seed=seed, lengths=(20, 40)):
+        sink.add(step, r["input_ids"], r["loss_mask"], r["final_hidden"], r["aux_hidden"])
+
+
+def train_until(proc: DrafterProcess, version: int, timeout_s: float = 120.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (v := proc.state_version) < version:
+        assert time.monotonic() < deadline, f"state_version {v} < {version} after {timeout_s}s"
+        time.sleep(0.05)
+    return v
+
+
+def session(proc, name):
+    proc.start_session(name, 0, 1, HOST, free_port(HOST), 0)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("proc")
+    model = tiny_target()
+    model.save_pretrained(root / "target")
+    return {"dir": str(root / "target"), "model": model, "root": root}
+
+
+def test_a_bad_config_fails_at_start_in_one_line(target, tmp_path):
+    with pytest.raises(ValueError, match=r"^DrafterServiceConfig.init='.*nowhere': no such model folder"):
+        DrafterProcess(target["dir"], cfg(init=str(tmp_path / "nowhere")))
+    assert not verl_capture.enabled()
+
+
+def test_the_child_trains_on_captured_samples_and_comes_back_from_a_sigkill(target, tmp_path):
+    proc = DrafterProcess(target["dir"], cfg())
+    try:
+        assert proc.pid != os.getpid() and verl_capture.buffer() is proc.staging
+        capture_into_this_process(target["model"], 12, seed=1, step=1)
+        assert len(proc.staging) == 12
+        session(proc, "s1")                       # the staged samples travel with this call
+        assert len(proc.staging) == 0
+        train_until(proc, 5)
+        stats = proc.stop()
+        assert stats["error"] is None and stats["steps"] >= 5
+        saved_version = proc.state_version
+        ckpt = proc.save_checkpoint(tmp_path / "ckpt", global_step=1)
+        assert ckpt.is_file()
+        assert proc.metrics()["tlt/drafter/buffer_samples"] == 12
+
+        # New target tensors arrive (verl's weight sync), then training resumes and is killed.
+        embed = torch.randn(VOCAB, 32)
+        proc.set_target_tensors(embed, embed)
+        session(proc, "s2")
+        train_until(proc, saved_version + 3)
+        dead = proc.pid
+        os.kill(dead, signal.SIGKILL)
+        t0 = time.monotonic()
+        stats = proc.stop()
+        assert time.monotonic() - t0 < 5.0, "stop() waited on the restart"
+        assert stats["stopped"] and f"drafter process {dead} died (killed by signal 9)" == stats["error"]
+        assert stats["state_version"] == 0 and stats["steps"] == 0
+
+        # The new child holds the checkpointed drafter (training since then is lost, nothing
+        # older). In-memory samples are not checkpointed: the next log-prob pass refills the buffer.
+        assert proc.state_version == saved_version
+        assert proc.pid != dead and proc.restarts == 1
+        m = proc.metrics()
+        assert m["tlt/drafter/restarts"] == 1.0 and m["tlt/drafter/buffer_samples"] == 0
+        exported = proc.export(tmp_path / "export")
+        assert (exported / "model.safetensors").is_file()
+        capture_into_this_process(target["model"], 8, seed=2, step=2)
+        session(proc, "s3")
+        train_until(proc, saved_version + 2)
+        assert proc.stop()["error"] is None
+        assert proc.metrics()["tlt/drafter/buffer_samples"] == 8
+    finally:
+        proc.close()
+    assert not verl_capture.enabled()
+
+
+def test_the_child_exits_with_its_host(target):
+    """The drafter does not outlive the actor process that hosts it (an orphan would hold its core)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; sys.path[:0] = sys.argv[2:]\n"
+            "from tlt_verl.spot.drafter_process import DrafterProcess\n"
+            "from test_drafter_process import cfg\n"
+            "p = DrafterProcess(sys.argv[1], cfg()); print(p.pid, flush=True); time.sleep(600)\n")
+    here = os.path.dirname(__file__)
+    host = subprocess.Popen([sys.executable, "-c", code, target["dir"], here, os.path.dirname(here)],
+                            stdout=subprocess.PIPE, text=True)
+    child = int(host.stdout.readline())
+    host.kill()
+    host.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail(f"drafter process {child} outlived its host")
