@@ -90,7 +90,15 @@ def test_bandit_config_errors_name_the_option():
         with pytest.raises(ValueError) as e:
             BanditConfig(**kwargs)
         assert str(e.value).startswith(option) and "\n" not in str(e.value)
-    assert all(len(BanditConfig().arms) > 1 for _ in range(BanditConfig().num_buckets))
+    # The default is a bandit in every bucket: each bucket plays every arm (at least two) on its
+    # own, not one arm per bucket, nor arms shared with the other buckets' counts.
+    default = BucketedEpsilonGreedy(BanditConfig())
+    for bucket in range(default.config.num_buckets):
+        played = [default.select(bucket) for _ in default.config.arms]
+        for k in played:
+            default.update(bucket, k, 1.0)
+        assert len(set(played)) >= 2 and sorted(played) == sorted(default.config.arms), (bucket, played)
+        assert all(n == 1 for n, _ in default.estimates(bucket).values()), default.estimates(bucket)
     with pytest.raises(ValueError, match="sd.threshold"):
         SDPolicyConfig(threshold=0)
     with pytest.raises(ValueError, match="bucket_edges"):
@@ -262,11 +270,15 @@ async def _scenario(target: str, drafter: str, random_drafter: str, bad: dict[st
         await generate("after_rejects")
 
         t = time.time()
-        await engine.collective_rpc("tlt_reload_target_weights", args=(os.path.join(alt_target, "model.safetensors"),))
+        from _weight_sync import sync_weights
+        from safetensors.torch import load_file
+
+        # Through verl's bucketed transport, as the rollout server's weight sync does.
+        await sync_weights(engine.collective_rpc, load_file(os.path.join(alt_target, "model.safetensors")))
         res["timings"]["target_reload"] = time.time() - t
         res["sha_alt_target"] = {"drafter": await checksum("drafter"), "target": await checksum("target")}
         await generate("alt_target")
-        await engine.collective_rpc("tlt_reload_target_weights", args=(os.path.join(target, "model.safetensors"),))
+        await sync_weights(engine.collective_rpc, load_file(os.path.join(target, "model.safetensors")))
         res["sha_target_back"] = {"drafter": await checksum("drafter"), "target": await checksum("target")}
         await generate("target_back")
     finally:

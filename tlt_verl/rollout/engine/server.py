@@ -22,6 +22,12 @@ from tlt_verl.rollout.lossless import check_speculative_config
 logger = logging.getLogger(__name__)
 
 TIMELINE_ENV = "TLT_TIMELINE_DIR"
+# verl's replica lifecycle: sleep releases both, its weight sync wakes "weights" then "kv_cache".
+SLEEP_TAGS = ("weights", "kv_cache")
+# Full weights are re-sent every step, so nothing needs keeping (verl's choice for vLLM >= 0.18).
+SLEEP_LEVEL = 2
+# Worker methods that write into the engine's weights.
+WRITES_WEIGHTS = ("update_weights_from_ipc", "tlt_reload_drafter_weights")
 # KV cache size on CPU: vLLM would otherwise reserve gpu_memory_utilization x host RAM per engine.
 DEFAULT_CPU_KV_CACHE_BYTES = 512 << 20
 
@@ -45,8 +51,17 @@ class VllmServer:
             d = Path(os.environ[TIMELINE_ENV])
             d.mkdir(parents=True, exist_ok=True)
             self._timeline_path = d / f"replica_{replica_rank}.jsonl"
+        # Replica lifecycle as verl drives it (see "lifecycle" below): the tags released by sleep.
+        self._released: set[str] = set()
+        self._drafter_lost = False
+        self._drafter_file: Optional[str] = None   # what the drafter serves now, to restore it from
+        self._drafter_sha: Optional[str] = None
+        self._restore_lock = asyncio.Lock()
+        self.drafter_restores = 0
         # The engine core is a child process: it inherits these (thread binding, socket and
-        # cache folders kept out of shared paths).
+        # cache folders kept out of shared paths). verl's weight receiver in the engine's workers
+        # names its socket from the last two, as verl's own server sets them.
+        engine_env = {**engine_env, "VERL_REPLICA_RANK": str(replica_rank), "VERL_RAY_JOB_ID": _ray_job_id()}
         os.environ.update(engine_env)
         for key in ("VLLM_RPC_BASE_PATH", "VLLM_CACHE_ROOT"):
             if key in engine_env:
@@ -127,6 +142,9 @@ class VllmServer:
         from vllm import SamplingParams, TokensPrompt
 
         await self._paused.wait()
+        self.check_awake("generate", SLEEP_TAGS)
+        if self._drafter_lost:
+            await self._restore_drafter()
         params = dict(sampling_params)
         room = self._max_model_len() - len(prompt_ids)
         if room < 1:
@@ -193,13 +211,8 @@ class VllmServer:
 
     # ---- weights ----------------------------------------------------------------------------
 
-    async def update_weights_from_file(self, path: str, global_steps: Optional[int] = None) -> str:
-        """Reload the target weights from a safetensors file; returns its sha256 as loaded."""
-        digests = await self.engine.collective_rpc("tlt_reload_target_weights", args=(path,))
-        await self.engine.reset_prefix_cache()
-        if global_steps is not None:
-            self.global_steps = global_steps
-        return digests[0]
+    # The target's weights arrive through verl's transport: the adapter (verl's ServerAdapter)
+    # calls collective_rpc("update_weights_from_ipc") here and streams the buckets to the workers.
 
     # ---- adaptive speculative decoding (patches/vllm_sd/runtime.py, drafter_push.py) ---------
 
@@ -235,36 +248,90 @@ class VllmServer:
 
     async def update_drafter_from_file(self, path: str) -> str:
         """Hot-swap the drafter's weights; checked here first, since a failed RPC kills the engine."""
-        from tlt_verl.rollout.engine.drafter_push import DrafterManifest, push_drafter_async
+        from tlt_verl.rollout.engine.drafter_push import push_drafter_async
+
+        self.check_awake("push a drafter", ("weights",))
+        sha = await push_drafter_async(self.engine, self._manifest(), path)
+        self._drafter_file, self._drafter_sha, self._drafter_lost = str(path), sha, False
+        return sha
+
+    def _manifest(self):
+        from tlt_verl.rollout.engine.drafter_push import DrafterManifest
 
         if getattr(self, "_drafter_manifest", None) is None:
             spec = self.engine.vllm_config.speculative_config
             if spec is None or not spec.model:
                 raise ValueError("update_drafter_from_file: this engine runs no drafter (no speculative_config)")
             self._drafter_manifest = DrafterManifest.from_folder(spec.model)
-        return await push_drafter_async(self.engine, self._drafter_manifest, path)
+        return self._drafter_manifest
+
+    def _serves_drafter(self) -> bool:
+        spec = self.engine.vllm_config.speculative_config if self.engine is not None else None
+        return bool(spec is not None and spec.model)
+
+    async def _restore_drafter(self) -> None:
+        """Load the drafter again after a sleep that discarded it, and check what is served.
+
+        A level-2 sleep drops every weight; verl's sync restores the target's, nothing restores the
+        drafter's (vLLM 52479: acceptance then silently falls to 0). A push since the wake has
+        replaced it already; otherwise it is reloaded from the file it last came from.
+        """
+        from tlt_verl.rollout.engine.drafter_push import push_drafter_async
+
+        async with self._restore_lock:
+            if not self._drafter_lost:
+                return
+            spec = self.engine.vllm_config.speculative_config
+            path = self._drafter_file or os.path.join(spec.model, "model.safetensors")
+            sha = await push_drafter_async(self.engine, self._manifest(), path)
+            if self._drafter_sha is not None and sha != self._drafter_sha:
+                raise RuntimeError(f"replica {self.replica_rank}: the drafter restored after sleep from {path} "
+                                   f"reads back {sha[:12]}, it served {self._drafter_sha[:12]} before")
+            self._drafter_file, self._drafter_sha, self._drafter_lost = path, sha, False
+            self.drafter_restores += 1
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
-    # ---- lifecycle (verl's RolloutReplica fans these out) -------------------------------------
-    # On CPU host memory is not released between phases: weights and KV cache stay resident. On
-    # GPU the engine shares its devices with the actor: it sleeps (weights to host, KV cache
-    # dropped) while the actor trains.
+    # ---- lifecycle (verl's RolloutReplica and ServerAdapter drive these) -----------------------
+    # verl sleeps every replica when the trainer starts and after each rollout, and wakes the
+    # weights before its weight sync and the KV cache after it. On GPU the engine shares its
+    # devices with the actor and really sleeps; vLLM cannot sleep on CPU, but the state is kept the
+    # same way and a generate, reload or push while asleep is refused, so a lifecycle mistake that
+    # would write into unmapped GPU memory fails a CPU test.
 
-    def _sleeps(self) -> bool:
+    def _sleeps_engine(self) -> bool:
         import torch
 
         return self.engine is not None and torch.cuda.is_available()
 
+    def check_awake(self, what: str, tags=SLEEP_TAGS) -> None:
+        asleep = sorted(self._released & set(tags))
+        if asleep:
+            raise RuntimeError(f"replica {self.replica_rank}: cannot {what} while asleep ({', '.join(asleep)} "
+                               f"released); verl wakes the replica first (wake_up / ServerAdapter.resume)")
+
     async def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        if self._sleeps() and await self.engine.is_sleeping():
+        tags = list(tags or SLEEP_TAGS)
+        if self._sleeps_engine() and self._released & set(tags):
             await self.engine.wake_up(tags)
+        self._released -= set(tags)
+        if "kv_cache" in tags:
+            await self.engine.reset_prefix_cache()
 
     async def sleep(self) -> None:
-        if self._sleeps() and not await self.engine.is_sleeping():
-            await self.engine.reset_prefix_cache()
-            await self.engine.sleep(level=1)
+        if not self.config.free_cache_engine or self._released == set(SLEEP_TAGS):
+            return
+        await self.engine.reset_prefix_cache()
+        if self._sleeps_engine():
+            await self.engine.sleep(level=SLEEP_LEVEL)
+        self._released = set(SLEEP_TAGS)
+        # Level 2 keeps nothing: the drafter has to come back (see _restore_drafter).
+        self._drafter_lost = SLEEP_LEVEL == 2 and self._serves_drafter()
+
+    def lifecycle_state(self) -> dict[str, Any]:
+        return {"released": sorted(self._released), "drafter_lost": self._drafter_lost,
+                "drafter_restores": self.drafter_restores}
 
     async def clear_kv_cache(self) -> None:
         await self.engine.reset_prefix_cache()
@@ -291,6 +358,8 @@ class VllmServer:
         return None
 
     async def collective_rpc(self, method: str, timeout=None, args: tuple = (), kwargs=None):
+        if method in WRITES_WEIGHTS:
+            self.check_awake(method, ("weights",))
         return await self.engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
     def shutdown(self) -> None:
@@ -299,3 +368,13 @@ class VllmServer:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def _ray_job_id() -> str:
+    import ray
+
+    # verl's weight sender names its socket with the Ray job id. Outside Ray (tests, benchmarks)
+    # whoever sends sets VERL_RAY_JOB_ID, or both sides take verl's default "0".
+    if ray.is_initialized():
+        return ray.get_runtime_context().get_job_id()
+    return os.environ.get("VERL_RAY_JOB_ID", "0")
