@@ -33,14 +33,16 @@ def test_plugin_in_driver(monkeypatch):
     assert wrapped == "True"
 
 
-@pytest.mark.usefixtures("no_leftover_ray")
-def test_plugin_in_ray_workers():
+def test_plugin_in_ray_workers(no_leftover_ray, monkeypatch):
     import os
 
     import ray
 
-    os.environ["VERL_PLATFORM"] = "cpu"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Ray's workers inherit the driver's environment at ray.init: set for this test only.
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    # A cluster of this test's own (own temp dir, so not the user's from /tmp/ray), which
+    # ray.shutdown() ends; the fixture ends whatever of it a failure leaves.
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(no_leftover_ray.temp_dir))
     try:
 
         @ray.remote
@@ -53,7 +55,13 @@ def test_plugin_in_ray_workers():
             cls = EngineRegistry.get_engine_cls("language_model", "fsdp2")
             # The process group must come up on gloo alone (verl would ask for cpu:gloo,cpu:gloo).
             from verl.utils.distributed import initialize_global_process_group_ray
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+            import socket
+
+            with socket.socket() as s:   # a free port: another run on this machine may hold any fixed one
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            # In the Ray worker, which ends with this test's cluster.
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             initialize_global_process_group_ray()
             backend = dist.get_backend()
             dist.destroy_process_group()

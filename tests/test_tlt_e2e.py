@@ -53,7 +53,7 @@ def _kill_drafter_in_step_3(run_dir, killed: dict, timeout_s: float = 1500) -> N
 
 
 @pytest.fixture(scope="module")
-def runs(assets, tmp_path_factory):
+def runs(assets, no_leftover_ray, tmp_path_factory):   # verl's local Ray in this module's own temp dir
     run_dir = tmp_path_factory.mktemp("tlt_e2e")
     killed: dict = {}
     killer = threading.Thread(target=_kill_drafter_in_step_3, args=(run_dir, killed), daemon=True)
