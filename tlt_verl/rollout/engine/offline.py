@@ -7,18 +7,27 @@ from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
 
 
 def offline_llm(model: str, **engine_kwargs):
+    """The engine, built with this host's engine environment (a value the caller set wins). The
+    environment is the caller's again once the engine is built: the engine reads it while it
+    starts, and the caller's process (a test session, say) goes on to start other things."""
     from tlt_verl.rollout.engine.replica import engine_env
 
     # In-process engine core: no spawned child, so callers need no __main__ guard.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    for key, value in engine_env(0).items():
-        os.environ.setdefault(key, value)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **engine_env(0)}
+    added = [key for key in env if key not in os.environ]
+    for key in added:
+        os.environ[key] = env[key]
+    for key, value in env.items():
         if key.endswith(("_PATH", "_ROOT")):
-            os.makedirs(value, exist_ok=True)
-    from vllm import LLM
+            os.makedirs(os.environ[key], exist_ok=True)
+    try:
+        from vllm import LLM
 
-    # A large token budget per step keeps prefills whole (see VllmServer.launch).
-    kwargs = dict(dtype="float32", enforce_eager=True, seed=0, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
-                  disable_log_stats=False, max_num_batched_tokens=16384)
-    kwargs.update(engine_kwargs)
-    return LLM(model=model, **kwargs)
+        # A large token budget per step keeps prefills whole (see VllmServer.launch).
+        kwargs = dict(dtype="float32", enforce_eager=True, seed=0, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
+                      disable_log_stats=False, max_num_batched_tokens=16384)
+        kwargs.update(engine_kwargs)
+        return LLM(model=model, **kwargs)
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
