@@ -19,38 +19,98 @@ Triton kernels, which are right).
 """
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 
-from tlt_verl.patches._guard import require_version, when_imported
+from tlt_verl.patches._guard import PatchError, require_version, when_imported
 
 VLLM_SPEC = "==0.30.0"
+WHAT = "vLLM speculative decoding patches"
 # Only for the tests that show the lossless checks fail without the fix.
 DISABLE_TEMPERATURE_FIX = "TLT_VLLM_DISABLE_TEMPERATURE_FIX"
 
+log = logging.getLogger(__name__)
 _applied = False
+# Why this process's vLLM runs unpatched, if it does.
+_problem: str | None = None
 
 
 def apply() -> None:
-    """The entry point; vLLM may call it more than once per process."""
+    """The entry point; vLLM may call it more than once per process.
+
+    vLLM calls its plugins unguarded, in every engine it starts, TLT's or not: an exception here
+    would break every vLLM engine on the machine. So a vLLM this was not written for is left
+    alone with a warning, and only a TLT engine refuses to start (`support_problem`).
+    """
     global _applied
     if _applied:
         return
-    require_version("vllm", VLLM_SPEC, "vLLM speculative decoding patches")
+    _applied = True
+    try:
+        require_version("vllm", VLLM_SPEC, WHAT)
+    except PatchError as e:
+        _give_up(e)
+        return
+    for module, fn in _patches():
+        when_imported(module, _guarded(fn))
+
+
+def _patches() -> list:
+    """(module, patch) pairs: the run-time SD control everywhere, the CPU kernel fixes where needed."""
     from tlt_verl.patches.vllm_sd import runtime
 
-    when_imported("vllm.v1.core.sched.scheduler", runtime.patch_scheduler)
-    when_imported("vllm.v1.engine.core", runtime.patch_engine_core)
-    if not _needs_cpu_kernels():
-        _applied = True
-        return
-    from tlt_verl.patches.vllm_sd import kernels, temperature
+    out = [("vllm.v1.core.sched.scheduler", runtime.patch_scheduler),
+           ("vllm.v1.engine.core", runtime.patch_engine_core)]
+    if _needs_cpu_kernels():
+        from tlt_verl.patches.vllm_sd import kernels, temperature
 
-    temperature_fix = os.environ.get(DISABLE_TEMPERATURE_FIX, "") not in ("1", "true", "yes")
-    when_imported("vllm.v1.sample.rejection_sampler", kernels.patch_rejection_sampler)
-    when_imported("vllm.v1.sample.rejection_sampler",
-                  temperature.patch if temperature_fix else temperature.keep_vendor_kernel)
-    when_imported("vllm.v1.spec_decode.utils", kernels.patch_spec_decode_utils)
-    _applied = True
+        temperature_fix = os.environ.get(DISABLE_TEMPERATURE_FIX, "") not in ("1", "true", "yes")
+        out += [("vllm.v1.sample.rejection_sampler", kernels.patch_rejection_sampler),
+                ("vllm.v1.sample.rejection_sampler", temperature.patch if temperature_fix else temperature.keep_vendor_kernel),
+                ("vllm.v1.spec_decode.utils", kernels.patch_spec_decode_utils)]
+    return out
+
+
+def _give_up(e: PatchError) -> None:
+    global _problem
+    if _problem is None:
+        _problem = str(e)
+        log.warning("tlt-verl: %s; vLLM runs unpatched (TLT's speculative decoding is unavailable)", e)
+
+
+def _guarded(fn):
+    def hook(module):
+        try:
+            fn(module)
+        except PatchError as e:
+            _give_up(e)
+    return hook
+
+
+def support_problem() -> str | None:
+    """Why TLT cannot drive this vLLM, in one line; None when it can.
+
+    Checks by version, then by feature: every patch runs against the modules it patches (they are
+    imported here; patching is idempotent, and this process is about to run a TLT engine)."""
+    if _problem is not None:
+        return _problem
+    try:
+        require_version("vllm", VLLM_SPEC, WHAT)
+        for module, fn in _patches():
+            fn(importlib.import_module(module))
+    except PatchError as e:
+        return str(e)
+    return None
+
+
+def version_problem() -> str | None:
+    """The version check alone (no vLLM import): for the driver's start-up check."""
+    try:
+        require_version("vllm", VLLM_SPEC, WHAT)
+    except PatchError as e:
+        return str(e)
+    return None
 
 
 def _needs_cpu_kernels() -> bool:

@@ -65,6 +65,11 @@ def check_tlt(config) -> None:
         # which runs neither the drafter push nor the SD policy.
         raise ConfigError("tlt.enable=true: actor_rollout_ref.rollout.name=vllm on GPU is verl's own vLLM server; "
                           "use actor_rollout_ref.rollout.name=tlt_vllm")
+    from tlt_verl.patches import vllm_sd
+
+    problem = vllm_sd.version_problem()
+    if problem is not None:
+        raise ConfigError(f"tlt.enable=true: {problem}; TLT drives vLLM through them")
     if not OmegaConf.select(config, "trainer.use_v1", default=True):
         raise ConfigError("tlt.enable=true: trainer.use_v1=False is not supported (TLT extends the V1 trainer)")
     mode = OmegaConf.select(config, "trainer.v1.trainer_mode")

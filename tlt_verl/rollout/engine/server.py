@@ -111,6 +111,11 @@ class VllmServer:
         args.update(engine_kwargs)
         check_speculative_config(args.get("speculative_config"))
         if self.sd_config is not None:
+            from tlt_verl.patches.vllm_sd import support_problem
+
+            problem = support_problem()
+            if problem is not None:
+                raise RuntimeError(f"rollout.custom.tlt_sd: {problem}")
             if args.get("speculative_config"):
                 raise ValueError("engine_kwargs.vllm.speculative_config and rollout.custom.tlt_sd both set: "
                                  "give the drafter in one of them")
