@@ -94,9 +94,10 @@ def test_bandit_config_errors_name_the_option():
     # own, not one arm per bucket, nor arms shared with the other buckets' counts.
     default = BucketedEpsilonGreedy(BanditConfig())
     for bucket in range(default.config.num_buckets):
-        played = [default.select(bucket) for _ in default.config.arms]
-        for k in played:
-            default.update(bucket, k, 1.0)
+        played = []
+        for _ in default.config.arms:
+            played.append(default.select(bucket))
+            default.update(bucket, played[-1], 1.0)
         assert len(set(played)) >= 2 and sorted(played) == sorted(default.config.arms), (bucket, played)
         assert all(n == 1 for n, _ in default.estimates(bucket).values()), default.estimates(bucket)
     with pytest.raises(ValueError, match="sd.threshold"):

@@ -15,7 +15,7 @@ from tlt_verl.capture import verl_capture
 from tlt_verl.drafter.reducer import free_port
 from tlt_verl.drafter.trainer import TrainerConfig
 from tlt_verl.spot.drafter_process import DrafterProcess
-from tlt_verl.spot.drafter_service import DrafterServiceConfig
+from tlt_verl.spot.drafter_service import DrafterServiceConfig, tensor_digest
 
 from test_drafter_service import VOCAB, tiny_target
 
@@ -77,8 +77,11 @@ def test_the_child_trains_on_captured_samples_and_comes_back_from_a_sigkill(targ
         assert proc.metrics()["tlt/drafter/buffer_samples"] == 12
 
         # New target tensors arrive (verl's weight sync), then training resumes and is killed.
+        from_dir = proc.target_digest()
         embed = torch.randn(VOCAB, 32)
         proc.set_target_tensors(embed, embed)
+        handed = tensor_digest(embed, embed)
+        assert handed != from_dir and proc.target_digest() == handed
         session(proc, "s2")
         train_until(proc, saved_version + 3)
         dead = proc.pid
@@ -93,6 +96,8 @@ def test_the_child_trains_on_captured_samples_and_comes_back_from_a_sigkill(targ
         # older). In-memory samples are not checkpointed: the next log-prob pass refills the buffer.
         assert proc.state_version == saved_version
         assert proc.pid != dead and proc.restarts == 1
+        # ... and the target tensors handed in before the kill, not the target folder's.
+        assert proc.target_digest() == handed
         m = proc.metrics()
         assert m["tlt/drafter/restarts"] == 1.0 and m["tlt/drafter/buffer_samples"] == 0
         exported = proc.export(tmp_path / "export")
@@ -102,6 +107,7 @@ def test_the_child_trains_on_captured_samples_and_comes_back_from_a_sigkill(targ
         train_until(proc, saved_version + 2)
         assert proc.stop()["error"] is None
         assert proc.metrics()["tlt/drafter/buffer_samples"] == 8
+        assert proc.target_digest() == handed
     finally:
         proc.close()
     assert not verl_capture.enabled()

@@ -82,7 +82,10 @@ def test_tlt_run_completes_and_reports_tlt_metrics(runs):
     for step, m in m1.items():
         assert 0.0 < m["tlt/sd/sd_step_share"] <= 1.0, (step, m["tlt/sd/sd_step_share"])
         assert m["tlt/sd/acceptance_length"] >= 1.0
-        assert m["tlt/drafter_critical_path_s"] >= 0.0
+        if m["tlt/spot/train_steps"] > 0:
+            # The drafter trained, so it was exported and pushed to the replicas before the next
+            # rollout: that push is on the critical path, and takes time.
+            assert m["tlt/drafter_critical_path_s"] > 0.0, (step, m)
         assert m["tlt/spot/rollout_s"] > 0
     # One replica drains before the other: the drafter trained in that time (from step 2 on:
     # step 1 has nothing captured yet).

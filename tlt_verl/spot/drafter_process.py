@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 # DrafterService attributes a caller may reach through the pipe (methods, or properties read).
 CALLS = ("start_session", "stop", "set_target_tensors", "save_checkpoint", "load_checkpoint", "export",
-         "metrics", "add_samples", "state_version", "is_training", "aux_layer_ids")
+         "metrics", "add_samples", "state_version", "is_training", "aux_layer_ids", "target_digest")
 # Errors the child's methods raise for a caller's mistake: re-raised here as themselves.
 ERRORS = {e.__name__: e for e in (ValueError, RuntimeError, TimeoutError, FileNotFoundError, KeyError)}
 
@@ -239,6 +239,11 @@ class DrafterProcess:
         self._target = (e, h)                  # a restart applies the latest
         if self._ready.is_set():
             self._call("set_target_tensors", e, h)
+
+    def target_digest(self) -> str:
+        """As ``DrafterService.target_digest``: of the tensors the child holds (after a restart, the
+        latest handed in, re-applied)."""
+        return self._call("target_digest")
 
     def save_checkpoint(self, directory: str | Path, global_step: int, wait: bool = True) -> Path:
         """Written before this returns (``wait`` is accepted for DrafterService's signature)."""

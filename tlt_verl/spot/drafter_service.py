@@ -23,6 +23,7 @@ snapshot a half-applied optimizer step.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import threading
@@ -115,6 +116,17 @@ class LoadResult:
         return self.loaded
 
 
+def tensor_digest(*tensors: torch.Tensor) -> str:
+    """sha256 over the tensors' shapes, dtypes and bytes: what was handed to a drafter, compared
+    with what it holds (``DrafterService.target_digest``) without moving the tensors back."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{tuple(t.shape)} {t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _check_model_dir(path: str | Path, what: str) -> Path:
     p = Path(path)
     if not (p / "config.json").is_file():
@@ -190,6 +202,12 @@ class DrafterService:
     def aux_layer_ids(self) -> tuple[int, ...]:
         """The target layers whose states the drafter reads (besides the last): what capture hooks."""
         return tuple(self.drafter.cfg.aux_layer_ids)
+
+    def target_digest(self) -> str:
+        """``tensor_digest(embed, lm_head)`` of the target tensors the drafter trains with now (new
+        ones handed in during a session count from the micro-step boundary that binds them)."""
+        t = self.drafter.target
+        return self._at_boundary(lambda: tensor_digest(t.embed_weight, t.lm_head_weight))
 
     def add_samples(self, samples: list[tuple]) -> int:
         """Store captured samples (``DataBuffer.add`` arguments, oldest first); returns the buffer size."""
