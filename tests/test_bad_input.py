@@ -91,3 +91,27 @@ def test_tlt_yaml_mirrors_the_dataclasses():
     documented = yaml.safe_load((Path(__file__).parents[1] / "recipes" / "tlt.yaml").read_text())["tlt"]
     assert documented == plain(asdict(TLTConfig()))
     assert TLTConfig.from_dict({**documented, "enable": True, "drafter": {**documented["drafter"], "init": "scratch"}})
+
+
+def test_tlt_on_several_nodes_needs_shared_absolute_folders(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from tlt_verl.integration.config import TLTConfig
+    from tlt_verl.integration.startup_checks import ConfigError
+    from tlt_verl.integration.tlt_setup import _check_shared_paths
+
+    tlt = TLTConfig.from_dict({"enable": True, "drafter": {"init": "scratch"}})
+    relative = OmegaConf.create({"trainer": {"nnodes": 2, "default_local_dir": "checkpoints/p/e"}})
+    with pytest.raises(ConfigError) as e:
+        _check_shared_paths(relative, tlt)
+    assert str(e.value).startswith("tlt.enable=true: trainer.default_local_dir=checkpoints/p/e: trainer.nnodes=2 "
+                                   "needs an absolute path") and "\n" not in str(e.value)
+    shared = OmegaConf.create({"trainer": {"nnodes": 2, "default_local_dir": str(tmp_path)}})
+    _check_shared_paths(shared, tlt)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "drafters" / "x").mkdir(parents=True)
+    (tmp_path / "drafters" / "x" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="tlt.drafter.init=drafters/x"):
+        _check_shared_paths(shared, TLTConfig.from_dict({"enable": True, "drafter": {"init": "drafters/x"}}))
+    # One node: a relative folder is made absolute by the check that uses it, not refused.
+    _check_shared_paths(OmegaConf.create({"trainer": {"nnodes": 1, "default_local_dir": "checkpoints"}}), tlt)

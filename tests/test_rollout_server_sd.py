@@ -240,7 +240,8 @@ def test_config_errors_name_the_option(tmp_path):
 
 
 def test_cuda_graph_pool_is_bounded_by_the_threshold(tmp_path):
-    from tlt_verl.rollout.config import AdaptiveRolloutConfig, cuda_graph_capture_sizes, cuda_graph_engine_args
+    from tlt_verl.rollout.config import (AdaptiveRolloutConfig, cuda_graph_capture_sizes, cuda_graph_engine_args,
+                                         vllm_capture_grid)
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
@@ -248,15 +249,23 @@ def test_cuda_graph_pool_is_bounded_by_the_threshold(tmp_path):
 
     cfg = AdaptiveRolloutConfig(drafter=str(tmp_path), policy=SDPolicyConfig(threshold=16))  # arms 0..3
     sizes = cuda_graph_capture_sizes(cfg, max_num_seqs=32, max_tokens=8192)
-    # k = 0 at every batch size, and b * (1 + k) for b <= 16 only: 16 * 4 = 64 is the largest.
-    assert set(range(1, 33)) <= set(sizes)
-    assert max(sizes) == 64 and 17 * 2 not in sizes and 21 * 3 not in sizes
-    every_arm_everywhere = {b * (1 + k) for b in range(1, 33) for k in range(4)}
-    assert set(sizes) < every_arm_everywhere
+    grid = vllm_capture_grid(8192)
+    # On vLLM's own grid (what it pads a batch up to): k = 0 at every batch size, and b * (1 + k)
+    # for b <= 16 only: 16 * 4 = 64 is the largest, so nothing between 64 and 32 * 4 = 128.
+    assert set(sizes) <= set(grid) and sizes[:4] == [1, 2, 4, 8]
+    assert 3 not in sizes and set(range(8, 33, 8)) <= set(sizes)
+    assert max(sizes) == 64
+    every_arm_everywhere = {next(g for g in grid if g >= b * (1 + k)) for b in range(1, 33) for k in range(4)}
+    assert set(sizes) < every_arm_everywhere and 128 in every_arm_everywhere
     assert cuda_graph_capture_sizes(cfg, max_num_seqs=32, max_tokens=40)[-1] == 40
     assert cuda_graph_engine_args(cfg, 32, 8192, on_gpu=False) == {}
     gpu = cuda_graph_engine_args(cfg, 32, 8192, on_gpu=True)
     assert gpu["compilation_config"]["cudagraph_capture_sizes"] == sizes
+    # A user's compilation config is merged: their keys kept, their capture sizes win.
+    user = cuda_graph_engine_args(cfg, 32, 8192, on_gpu=True, user={"mode": 3})
+    assert user["compilation_config"] == {"mode": 3, "cudagraph_capture_sizes": sizes}
+    own = cuda_graph_engine_args(cfg, 32, 8192, on_gpu=True, user={"cudagraph_capture_sizes": [1, 2]})
+    assert own["compilation_config"]["cudagraph_capture_sizes"] == [1, 2]
 
 
 if __name__ == "__main__":

@@ -52,7 +52,11 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return socket.gethostbyname(socket.gethostname()), port
+        # The address Ray reaches this node by (its --node-ip-address), not what the host name
+        # resolves to, which on many clusters is a loopback or a management interface.
+        from ray.util import get_node_ip_address
+
+        return get_node_ip_address(), port
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_start_session(self, session_id: str, rank: int, size: int, host: str, port: int, source: int) -> None:

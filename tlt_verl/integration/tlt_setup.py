@@ -80,9 +80,11 @@ def check_tlt(config) -> None:
     if "tlt_sd" in custom:
         raise ConfigError("tlt.enable=true: actor_rollout_ref.rollout.custom.tlt_sd is set by TLT; remove it")
 
+    _check_shared_paths(config, tlt)
     target = str(OmegaConf.select(config, "actor_rollout_ref.model.path"))
     d = tlt.drafter
-    folder = initial_drafter_dir(config) if d.init == SCRATCH else Path(d.init)
+    # Absolute: the rollout servers are Ray actors whose working directory is not the driver's.
+    folder = (initial_drafter_dir(config) if d.init == SCRATCH else Path(d.init)).absolute()
     if d.init == SCRATCH and not (folder / "model.safetensors").is_file():
         write_scratch_drafter(os.path.expanduser(target), d.kind, folder)
     _check_drafter_fits(folder, target, d.kind)
@@ -92,6 +94,20 @@ def check_tlt(config) -> None:
         OmegaConf.update(config, "algorithm.rollout_correction.bypass_mode", False, merge=False)
         tlt_sd = {"drafter": str(folder), "method": d.kind, "policy": _policy_dict(tlt)}
         OmegaConf.update(config, "actor_rollout_ref.rollout.custom", {**dict(custom), "tlt_sd": tlt_sd}, merge=False)
+
+
+def _check_shared_paths(config, tlt: TLTConfig) -> None:
+    """On several nodes, the folders that servers and ranks on other nodes read must be one shared path."""
+    nnodes = int(OmegaConf.select(config, "trainer.nnodes", default=1) or 1)
+    if nnodes <= 1:
+        return
+    folders = {"trainer.default_local_dir": OmegaConf.select(config, "trainer.default_local_dir")}
+    if tlt.drafter.init != SCRATCH:
+        folders["tlt.drafter.init"] = tlt.drafter.init
+    for option, value in folders.items():
+        if value is not None and not os.path.isabs(os.path.expanduser(str(value))):
+            raise ConfigError(f"tlt.enable=true: {option}={value}: trainer.nnodes={nnodes} needs an absolute path "
+                              f"on storage every node shares (the drafter is read from it on every node)")
 
 
 def _policy_dict(tlt: TLTConfig) -> dict:

@@ -82,8 +82,17 @@ class AdaptiveRolloutConfig:
         return spec
 
 
+def vllm_capture_grid(max_size: int) -> list[int]:
+    """vLLM 0.30's default CUDA-graph sizes (VllmConfig._set_cudagraph_sizes): 1, 2, 4, then
+    multiples of 8 below 256, then multiples of 16. A batch runs in the smallest captured size
+    that holds it, so graphs off this grid would only add sizes vLLM never pads to."""
+    grid = [s for s in (1, 2, 4) if s <= max_size] + list(range(8, min(max_size + 1, 256), 8))
+    return grid + list(range(256, max_size + 1, 16))
+
+
 def cuda_graph_capture_sizes(config: AdaptiveRolloutConfig, max_num_seqs: int, max_tokens: int) -> list[int]:
-    """Token counts to capture CUDA graphs for: b * (1 + k) for every k the policy may give batch b.
+    """Token counts to capture CUDA graphs for: b * (1 + k), for every k the policy may give batch
+    b, rounded up to vLLM's own grid.
 
     A uniform decode step of batch b under k speculative tokens runs b * (1 + k) tokens. Capturing
     every arm at every batch size would hold graphs for strategies that never run there: above
@@ -91,20 +100,26 @@ def cuda_graph_capture_sizes(config: AdaptiveRolloutConfig, max_num_seqs: int, m
     """
     threshold = config.policy.threshold
     arms = config.policy.bandit.arms
-    sizes = set(range(1, max_num_seqs + 1))  # k = 0 may run at any batch size
+    grid = vllm_capture_grid(max_tokens)
+    needed = set(range(1, max_num_seqs + 1))  # k = 0 may run at any batch size
     for b in range(1, min(threshold, max_num_seqs) + 1):
-        sizes.update(b * (1 + k) for k in arms)
-    return sorted(s for s in sizes if s <= max_tokens)
+        needed.update(b * (1 + k) for k in arms)
+    return sorted({next(g for g in grid if g >= n) for n in needed if n <= grid[-1]})
 
 
 def cuda_graph_engine_args(config: AdaptiveRolloutConfig, max_num_seqs: int, max_tokens: int,
-                           on_gpu: bool) -> dict[str, Any]:
-    """The engine arguments of the graph pool: on GPU a compilation config, on CPU nothing."""
+                           on_gpu: bool, user: Optional[Mapping] = None) -> dict[str, Any]:
+    """The engine arguments of the graph pool: on GPU the user's compilation config (`user`, from
+    engine_kwargs) with the pool's capture sizes added, unless the user gave sizes; on CPU nothing."""
     if not config.cuda_graph_pool:
         return {}
     if not on_gpu:
         logger.info("%s.cuda_graph_pool: not applicable on CPU (the engine runs eagerly)", OPTION)
         return {}
+    merged = dict(user or {})
+    if merged.get("cudagraph_capture_sizes"):
+        logger.info("%s.cuda_graph_pool: the engine's compilation_config gives cudagraph_capture_sizes; kept", OPTION)
+        return {"compilation_config": merged}
     sizes = cuda_graph_capture_sizes(config, max_num_seqs, max_tokens)
     logger.info("%s.cuda_graph_pool: %d CUDA graph sizes (largest %d tokens)", OPTION, len(sizes), sizes[-1])
-    return {"compilation_config": {"cudagraph_capture_sizes": sizes}}
+    return {"compilation_config": {**merged, "cudagraph_capture_sizes": sizes}}

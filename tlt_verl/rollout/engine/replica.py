@@ -68,16 +68,29 @@ class VllmReplica(RolloutReplica):
 
 
 async def replica_gpus(workers) -> list[str]:
-    """The CUDA devices Ray gave this replica's trainer ranks (none on CPU), in rank order."""
-    def visible(_w) -> str:
+    """The accelerator ids Ray gave this replica's trainer ranks (none on CPU), in rank order.
+
+    Taken as verl's own vLLM replica takes them (`get_accelerator_ids`): verl starts its workers
+    with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, so CUDA_VISIBLE_DEVICES there is not the
+    rank's device. One server per replica runs on the first rank's node, so a replica must not
+    span nodes (ids on two nodes may be equal and name different devices)."""
+    def ids(_w):
         import torch
+        from verl.utils.device import get_resource_name
 
-        # On CPU, Ray still sets CUDA_VISIBLE_DEVICES for the logical GPU slots of verl's pools.
-        return os.environ.get("CUDA_VISIBLE_DEVICES", "") if torch.cuda.is_available() else ""
+        ctx = ray.get_runtime_context()
+        # On CPU, Ray still hands out the logical GPU slots of verl's pools: not devices.
+        devices = ctx.get_accelerator_ids().get(get_resource_name(), []) if torch.cuda.is_available() else []
+        return ctx.get_node_id(), [str(d) for d in devices]
 
-    seen = []
-    for ids in await asyncio.gather(*(w.__ray_call__.remote(visible) for w in workers)):
-        seen += [g for g in ids.split(",") if g and g not in seen]
+    found = await asyncio.gather(*(w.__ray_call__.remote(ids) for w in workers))
+    nodes = {node for node, _ in found}
+    if len(nodes) > 1 and any(d for _, d in found):
+        raise ValueError(f"{NAME}: a rollout replica spans {len(nodes)} nodes; tensor_model_parallel_size must "
+                         f"fit the GPUs of one node")
+    seen: list[str] = []
+    for _, devices in found:
+        seen += [d for d in devices if d not in seen]
     return seen
 
 

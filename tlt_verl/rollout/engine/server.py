@@ -101,14 +101,18 @@ class VllmServer:
         )
         if on_gpu:
             args["gpu_memory_utilization"] = self.config.gpu_memory_utilization
-            # The GPUs are the trainer ranks' (replica.py): level-1 sleep frees them for training.
+            # The GPUs are the trainer ranks' (replica.py): sleep frees them for training.
             args["enable_sleep_mode"] = True
             args["tensor_parallel_size"] = self.config.tensor_model_parallel_size
             if self.config.cudagraph_capture_sizes:
                 args["compilation_config"] = {"cudagraph_capture_sizes": list(self.config.cudagraph_capture_sizes)}
         else:
             args["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES
+        # A user's compilation config is merged into what verl's options gave, not swapped for it.
+        compilation = {**(args.get("compilation_config") or {}), **dict(engine_kwargs.pop("compilation_config", None) or {})}
         args.update(engine_kwargs)
+        if compilation:
+            args["compilation_config"] = compilation
         check_speculative_config(args.get("speculative_config"))
         if self.sd_config is not None:
             from tlt_verl.patches.vllm_sd import support_problem
@@ -121,7 +125,8 @@ class VllmServer:
                                  "give the drafter in one of them")
             args["speculative_config"] = self.sd_config.speculative_config(self.config.max_num_seqs)
             args.update(cuda_graph_engine_args(self.sd_config, self.config.max_num_seqs,
-                                               args["max_num_batched_tokens"], on_gpu and not args["enforce_eager"]))
+                                               args["max_num_batched_tokens"], on_gpu and not args["enforce_eager"],
+                                               user=args.get("compilation_config")))
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         if self.sd_config is not None:
             from tlt_verl.rollout.engine.sd_loop import AdaptiveSDLoop
