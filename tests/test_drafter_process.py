@@ -137,3 +137,27 @@ def test_the_child_exits_with_its_host(target):
         time.sleep(0.1)
     os.kill(child, signal.SIGKILL)
     pytest.fail(f"drafter process {child} outlived its host")
+
+
+def test_staging_holds_one_buffer_budget_and_hands_over_in_bounded_messages():
+    import torch
+
+    from tlt_verl.capture.staging import StagingBuffer
+
+    def sample(step, n=100, hidden=64):        # 100 states of 64 fp32: 25,600 bytes + ids and mask
+        return step, torch.arange(n), torch.ones(n, dtype=torch.bool), torch.full((n, hidden), float(step))
+
+    size = 100 * 8 + 100 + 100 * 64 * 4
+    stage = StagingBuffer(budget_bytes=3 * size)
+    for step in range(5):
+        stage.add(*sample(step))
+    # Over budget, the oldest went first, as the child's buffer would evict them on arrival.
+    assert len(stage) == 3 and stage.dropped == 2 and stage.nbytes == 3 * size
+    first = stage.take(max_bytes=2 * size)
+    assert [s[0] for s in first] == [2, 3] and stage.nbytes == size
+    assert [s[0] for s in stage.take(max_bytes=1)] == [4]   # at least one, even over the limit
+    assert stage.take() == [] and stage.nbytes == 0
+    # Staged samples own their storage: a view of a whole micro-batch is not kept alive.
+    batch = torch.zeros(10, 100, 64)
+    stage.add(0, torch.arange(100), torch.ones(100, dtype=torch.bool), batch[3])
+    assert stage.take()[0][3].untyped_storage().nbytes() == 100 * 64 * 4

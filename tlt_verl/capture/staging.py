@@ -12,9 +12,17 @@ import torch
 
 
 class StagingBuffer:
-    def __init__(self):
+    """Bounded like the child's buffer: past ``budget_bytes`` the oldest samples go first, as the
+    child would evict them on arrival anyway, so the actor's host never holds more than one
+    buffer's worth of states between two calls."""
+
+    def __init__(self, budget_bytes: int | None = None):
         self._lock = threading.Lock()
         self._samples: list[tuple] = []
+        self._sizes: list[int] = []
+        self.budget_bytes = budget_bytes
+        self.nbytes = 0
+        self.dropped = 0
 
     def add(self, step: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
             final_hidden: torch.Tensor, aux_hidden: torch.Tensor | None = None) -> None:
@@ -24,13 +32,27 @@ class StagingBuffer:
             return None if t is None else t.detach().to("cpu").clone()
 
         sample = (int(step), own(input_ids), own(loss_mask), own(final_hidden), own(aux_hidden))
+        size = sum(t.numel() * t.element_size() for t in sample[1:] if t is not None)
         with self._lock:
             self._samples.append(sample)
+            self._sizes.append(size)
+            self.nbytes += size
+            while self.budget_bytes is not None and self.nbytes > self.budget_bytes and len(self._samples) > 1:
+                self._samples.pop(0)
+                self.nbytes -= self._sizes.pop(0)
+                self.dropped += 1
 
-    def take(self) -> list[tuple]:
-        """The staged samples, oldest first, as ``DataBuffer.add`` arguments; the stage is emptied."""
+    def take(self, max_bytes: int | None = None) -> list[tuple]:
+        """The oldest staged samples, up to ``max_bytes`` (at least one), as ``DataBuffer.add``
+        arguments; they leave the stage. ``max_bytes=None``: all of them."""
         with self._lock:
-            out, self._samples = self._samples, []
+            n, total = 0, 0
+            while n < len(self._samples) and (max_bytes is None or n == 0 or total + self._sizes[n] <= max_bytes):
+                total += self._sizes[n]
+                n += 1
+            out, self._samples = self._samples[:n], self._samples[n:]
+            del self._sizes[:n]
+            self.nbytes -= total
         return out
 
     def __len__(self) -> int:

@@ -93,6 +93,14 @@ class _Died(Exception):
         self.generation = generation
 
 
+# The largest add_samples message (see DrafterProcess._call).
+STAGE_MESSAGE_BYTES = 64 << 20
+
+
+def _same(held: torch.Tensor, new: torch.Tensor) -> bool:
+    return held.shape == new.shape and held.dtype == new.dtype and torch.equal(held, new.detach().to("cpu"))
+
+
 class DrafterProcess:
     def __init__(self, target_dir: str, cfg: DrafterServiceConfig, core: Optional[int] = None,
                  start_timeout_s: float = 300.0):
@@ -113,7 +121,7 @@ class DrafterProcess:
         self._generation = 0                      # which child: a death is acted on once
         self.pid, aux = self._spawn()
         self._ready.set()
-        self.staging = StagingBuffer()
+        self.staging = StagingBuffer(cfg.buffer.budget_bytes)
         verl_capture.enable(cfg.kind, aux, cfg.buffer, sink=self.staging)
 
     # ------------------------------------------------------------------ the child
@@ -193,8 +201,9 @@ class DrafterProcess:
             if self._failure is not None:
                 raise DrafterProcessError(f"drafter process: restart failed: {self._failure}")
             try:
-                staged = self.staging.take()
-                if staged:
+                # In messages of at most STAGE_MESSAGE_BYTES: a message is pickled whole, so one
+                # step's states in one message would double them on the host for a moment.
+                while staged := self.staging.take(STAGE_MESSAGE_BYTES):
                     self._rpc("add_samples", staged)
                 return self._rpc(name, *args, **kwargs)
             except _Died as e:
@@ -234,6 +243,10 @@ class DrafterProcess:
         return {**stats, "stopped": True, "error": reason, "timed_out": False, "state_version": 0}
 
     def set_target_tensors(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Sent once per change: an unchanged embedding and LM head (frozen, or a sync of the same
+        weights) cost a comparison, not a copy through the pipe."""
+        if self._target is not None and _same(self._target[0], embed) and _same(self._target[1], lm_head):
+            return
         e = embed.detach().to("cpu", copy=True)
         h = e if lm_head is embed else lm_head.detach().to("cpu", copy=True)
         self._target = (e, h)                  # a restart applies the latest
