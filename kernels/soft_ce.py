@@ -221,9 +221,15 @@ def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, *,
             raise ValueError(f"soft_cross_entropy: target_hidden {tuple(target_hidden.shape)} / "
                              f"target_weight {tuple(target_weight.shape)} must be [{n}, Ht] / [{v}, Ht]")
     detach = (lambda t: None if t is None else t.detach())
-    return _SoftCE.apply(hidden, weight, detach(target_hidden), detach(target_weight),
-                         detach(target_logits), token_chunk, vocab_chunk,
-                         _backend(hidden.device, backend))
+    # Under autocast (the drafter's bf16 training) the tiles' logits, log-sum-exps and gradients
+    # stay in one dtype, the widest given: a bf16 hidden against the fp32 LM head is promoted, so
+    # the vocabulary-wide softmax is never computed in bf16.
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    cast = (lambda t: None if t is None else t.to(dtype) if t.is_floating_point() else t)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _SoftCE.apply(cast(hidden), cast(weight), cast(detach(target_hidden)), cast(detach(target_weight)),
+                             cast(detach(target_logits)), token_chunk, vocab_chunk,
+                             _backend(hidden.device, backend))
 
 
 def naive_soft_cross_entropy(hidden, weight, *, target_hidden=None, target_weight=None,

@@ -271,15 +271,15 @@ async def _scenario(target: str, drafter: str, random_drafter: str, bad: dict[st
         await generate("after_rejects")
 
         t = time.time()
-        from _weight_sync import sync_weights
+        from tlt_verl.rollout.engine.weight_sync import send_weights
         from safetensors.torch import load_file
 
         # Through verl's bucketed transport, as the rollout server's weight sync does.
-        await sync_weights(engine.collective_rpc, load_file(os.path.join(alt_target, "model.safetensors")))
+        await send_weights(engine.collective_rpc, load_file(os.path.join(alt_target, "model.safetensors")).items())
         res["timings"]["target_reload"] = time.time() - t
         res["sha_alt_target"] = {"drafter": await checksum("drafter"), "target": await checksum("target")}
         await generate("alt_target")
-        await sync_weights(engine.collective_rpc, load_file(os.path.join(target, "model.safetensors")))
+        await send_weights(engine.collective_rpc, load_file(os.path.join(target, "model.safetensors")).items())
         res["sha_target_back"] = {"drafter": await checksum("drafter"), "target": await checksum("target")}
         await generate("target_back")
     finally:

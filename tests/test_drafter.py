@@ -369,3 +369,48 @@ def test_warm_start_from_a_public_style_eagle_folder(target, tmp_path):
     warm3 = load_drafter(folder3, target.config, *tensors, warm_start=True)
     assert torch.equal(warm3.layers[0].hidden_norm.weight, e3.layers[0].hidden_norm.weight)
     assert torch.equal(warm3.lm_head.weight, tensors[1])
+
+
+def test_device_defaults_pick_the_gpu_kernels_only_where_they_run(target, monkeypatch):
+    import sys
+    import types
+
+    from tlt_verl.drafter.config import resolve_attention
+    from tlt_verl.drafter.trainer import TrainerConfig, autocast_bf16
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_attention("auto", cpu, "eagle") == "sdpa"
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    assert resolve_attention("auto", cuda, "eagle") == "flash_varlen"
+    assert resolve_attention("auto", cuda, "eagle3") == "sdpa"        # unrolled steps need a dense mask
+    assert resolve_attention("sdpa", cuda, "eagle") == "sdpa"         # an explicit choice stands
+    monkeypatch.setitem(sys.modules, "flash_attn", None)              # not installed
+    assert resolve_attention("auto", cuda, "eagle") == "sdpa"
+    assert autocast_bf16("auto", cuda) and not autocast_bf16("auto", cpu) and autocast_bf16("bf16", cpu)
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        TrainerConfig(precision="fp16")
+    # "auto" on CPU is the SDPA path: the same loss as asking for it.
+    drafter = drafter_for(target, "eagle")
+    batch = pack(samples_for(target, "eagle", [6, 5]), 12)
+    auto, _ = drafter_loss(drafter, batch, LossConfig())
+    sdpa, _ = drafter_loss(drafter, batch, LossConfig(attention="sdpa"))
+    assert torch.equal(auto, sdpa)
+
+
+def test_bf16_autocast_trains_with_fp32_master_weights(target):
+    from _drafters import captured_records
+
+    from tlt_verl.capture.buffer import BufferConfig, DataBuffer
+    from tlt_verl.drafter.trainer import DrafterTrainer, TrainerConfig
+
+    buffer = DataBuffer(BufferConfig(kind="eagle"))
+    for r in captured_records(target, 8, VOCAB, seed=0, lengths=(10, 20)):
+        buffer.add(1, r["input_ids"], r["loss_mask"], r["final_hidden"], r["aux_hidden"])
+    drafter = drafter_for(target, "eagle")
+    seen = []
+    drafter.fc.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    trainer = DrafterTrainer(drafter, buffer, TrainerConfig(precision="bf16", tokens_per_micro=48, row_len=48,
+                                                            warmup_steps=0, lr=1e-2))
+    history = trainer.train(max_steps=30).history
+    assert seen[0] == torch.bfloat16 and all(p.dtype == torch.float32 for p in trainer.params)
+    assert history[-1]["loss"] < history[0]["loss"]

@@ -383,8 +383,10 @@ def test_empty_buffers_idle_the_session_without_hanging_it(members, setup):
     port = free_port()
     for rank, m in enumerate(members):
         m(_op_start, "empty", rank, 2, HOST, port, 0)
-    time.sleep(0.5)
-    s0 = m0(_op_state)
+    # Until the session has polled its empty buffers (a busy box may take a while to get there).
+    deadline = time.monotonic() + 20
+    while (s0 := m0(_op_state))["stats"].get("idle_polls", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert s0["step"] == 0 and s0["stats"]["idle_polls"] > 0 and s0["metrics"]["tlt/drafter/training"] == 1.0
     # Data reaches one member only (the other's shard had nothing): training starts, the empty
     # member adds zero gradients and the two stay identical.

@@ -35,7 +35,7 @@ def _rollout_config(**custom):
 
 async def _scenario(spec: dict) -> dict:
     import torch
-    from _weight_sync import sync_weights
+    from tlt_verl.rollout.engine.weight_sync import send_weights
     from omegaconf import OmegaConf
     from safetensors.torch import load_file
 
@@ -116,9 +116,9 @@ async def _scenario(spec: dict) -> dict:
         except RuntimeError as e:
             res["half_awake_generate"] = str(e)
         alt = {k: v * 1.5 if "layers." in k else v for k, v in load_file(os.path.join(target, "model.safetensors")).items()}
-        await sync_weights(server.collective_rpc, alt, bucket_mb=1)
+        await send_weights(server.collective_rpc, alt.items(), bucket_mb=1)
         res["sha_alt"] = await checksum("target")
-        await sync_weights(server.collective_rpc, load_file(os.path.join(target, "model.safetensors")), bucket_mb=1)
+        await send_weights(server.collective_rpc, load_file(os.path.join(target, "model.safetensors")).items(), bucket_mb=1)
         await server.wake_up(tags=["kv_cache"])
         await server.set_global_steps(5)
         res["sha_after"] = {"drafter": await checksum("drafter"), "target": await checksum("target")}

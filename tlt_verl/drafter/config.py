@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 KINDS = ("eagle", "eagle3")
 # Qwen2 and Llama configs use the same attribute names for everything the drafter copies.
 SUPPORTED_TARGETS = ("qwen2", "llama")
@@ -150,6 +152,23 @@ class DrafterConfig:
         )
 
 
+ATTENTIONS = ("auto", "sdpa", "flash_varlen")
+
+
+def resolve_attention(attention: str, device: torch.device, kind: str) -> str:
+    """What "auto" means on `device` for a drafter of `kind`: flash-attn's varlen kernel on CUDA
+    for EAGLE-1/2 (no dense S x S mask per packed row), the SDPA block-diagonal mask elsewhere."""
+    if attention != "auto":
+        return attention
+    if device.type != "cuda" or kind != "eagle":
+        return "sdpa"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "flash_varlen"
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """EAGLE loss weights: SmoothL1 on hidden states (EAGLE-1/2) and soft CE on the target's
@@ -160,13 +179,14 @@ class LossConfig:
     step_decay: float = 0.8
     token_chunk: int = 1024
     vocab_chunk: int = 4096
-    # "sdpa" (dense block-diagonal mask, any device) or "flash_varlen" (cu_seqlens, CUDA with
-    # flash-attn; EAGLE-1/2 only: EAGLE-3's unrolled steps need keys varlen cannot express).
-    attention: str = "sdpa"
+    # "sdpa" (dense block-diagonal mask, any device), "flash_varlen" (cu_seqlens, CUDA with
+    # flash-attn; EAGLE-1/2 only: EAGLE-3's unrolled steps need keys varlen cannot express), or
+    # "auto": flash_varlen where it can run, else sdpa (`resolve_attention`).
+    attention: str = "auto"
 
     def __post_init__(self):
-        if self.attention not in ("sdpa", "flash_varlen"):
-            raise ValueError(f"LossConfig.attention={self.attention!r}: must be 'sdpa' or 'flash_varlen'")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"LossConfig.attention={self.attention!r}: must be one of {', '.join(ATTENTIONS)}")
         for name in ("hidden_weight", "prob_weight", "step_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LossConfig.{name}={getattr(self, name)}: must be >= 0")

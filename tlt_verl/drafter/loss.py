@@ -12,12 +12,14 @@ through the chunked kernel, so no [tokens x vocab] tensor is ever built.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
 from tlt_verl.kernels.soft_ce import soft_cross_entropy
 
-from .config import LossConfig
+from .config import LossConfig, resolve_attention
 from .packing import PackedBatch, shift_within_samples
 
 
@@ -77,4 +79,7 @@ LOSSES = {"eagle": eagle_loss, "eagle3": eagle3_loss}
 
 def drafter_loss(drafter, batch: PackedBatch, cfg: LossConfig | None = None):
     """(loss, metrics) for any drafter kind."""
-    return LOSSES[drafter.cfg.kind](drafter, batch, cfg or LossConfig())
+    cfg = cfg or LossConfig()
+    if cfg.attention == "auto":
+        cfg = replace(cfg, attention=resolve_attention("auto", batch.position_ids.device, drafter.cfg.kind))
+    return LOSSES[drafter.cfg.kind](drafter, batch, cfg)

@@ -3,17 +3,16 @@
 Three implementations:
 - ``LocalReducer``: one process; every collective is the identity.
 - ``TorchDistReducer``: a torch.distributed group (the default one unless told otherwise).
-- ``GlooSession``: a Gloo group of *some* ranks, formed from a rendezvous of its own. TLT trains
+- ``SpotSession``: a group of *some* ranks, formed from a rendezvous of its own. TLT trains
   the drafter on the ranks whose rollout replica is idle, and that set changes during a rollout;
   ``torch.distributed.new_group`` needs every rank of the world to call it, which the busy ranks
-  cannot, so a session builds its ``ProcessGroupGloo`` directly on a TCPStore hosted by its rank 0.
+  cannot, so a session builds its process group (Gloo for a drafter on the CPU, NCCL for one on a
+  GPU) directly on a TCPStore hosted by its rank 0.
   Members first check in on that store; until all have, any of them may call the session off for
   all (a replica that got work again, a rollout that ended), so no member waits on a group that
   will never complete.
 
-Every collective works in place and returns its tensor. A Gloo session reduces on the CPU (the
-drafter's gradients are copied there and back when they live on a GPU): correctness first, the
-drafter is small next to the actor.
+Every collective works in place and returns its tensor, on the device the drafter lives on.
 """
 from __future__ import annotations
 
@@ -147,8 +146,19 @@ def _decide(store, size: int, deadline: float, abort: Callable[[], bool], poll_s
         time.sleep(poll_s)
 
 
-class GlooSession:
-    """A Gloo group of ``size`` ranks that meet at ``host:port``; rank 0 hosts the store there.
+def _nccl_group(store, rank: int, size: int, timeout: datetime.timedelta):
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+# A session's process group by backend; the drafter's device picks it (BACKEND_OF_DEVICE).
+PROCESS_GROUPS = {"gloo": dist.ProcessGroupGloo, "nccl": _nccl_group}
+BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl"}
+
+
+class SpotSession:
+    """A group of ``size`` ranks that meet at ``host:port``; rank 0 hosts the store there.
 
     ``session_id`` prefixes every store key, so a store that outlives a session (or a port reused
     by a later one) never hands one session's rendezvous keys to another."""
@@ -157,25 +167,28 @@ class GlooSession:
     # checking in late read the abort instead of waiting for a store that is gone.
     _aborted_store = None
 
-    def __init__(self, store, pg, rank: int, size: int, session_id: str):
+    def __init__(self, store, pg, rank: int, size: int, session_id: str, backend: str = "gloo"):
         self._store = store
         self._pg = pg
+        self.backend = backend
         self._rank = rank
         self._size = size
         self.session_id = session_id
 
     @classmethod
     def join(cls, host: str, port: int, session_id: str, rank: int, size: int, timeout_s: float = 300.0,
-             abort: Callable[[], bool] | None = None, poll_s: float = 0.01) -> "GlooSession":
+             abort: Callable[[], bool] | None = None, poll_s: float = 0.01, backend: str = "gloo") -> "SpotSession":
         """Blocks until all ``size`` members have joined. ``abort()`` returning True while some
         are still missing gives up for all of them (``SessionAborted``); once all have joined the
         session goes ahead regardless. ``timeout_s`` bounds the wait (``SessionAborted`` too) and
         every later collective, so a member that dies mid-session makes the others fail instead
         of hang."""
         if size < 1 or not 0 <= rank < size:
-            raise ValueError(f"GlooSession.join: rank={rank}, size={size}: need 0 <= rank < size")
+            raise ValueError(f"SpotSession.join: rank={rank}, size={size}: need 0 <= rank < size")
         if not session_id:
-            raise ValueError("GlooSession.join: session_id must be non-empty")
+            raise ValueError("SpotSession.join: session_id must be non-empty")
+        if backend not in PROCESS_GROUPS:
+            raise ValueError(f"SpotSession.join: backend={backend!r}: one of {', '.join(PROCESS_GROUPS)}")
         abort = abort or (lambda: False)
         cls._aborted_store = None       # whoever was late for that one is later still: release the port
         deadline = time.monotonic() + timeout_s
@@ -189,9 +202,9 @@ class GlooSession:
             raise SessionAborted(f"session {session_id}: " + (f"not all {size} members joined within {timeout_s}s"
                                                               if late else "a member gave up before all had joined"))
         # Everyone has checked in, so this rendezvous completes at once.
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/pg", store), rank, size,
-                                   datetime.timedelta(seconds=timeout_s))
-        return cls(store, pg, rank, size, session_id)
+        pg = PROCESS_GROUPS[backend](dist.PrefixStore(f"{prefix}/pg", store), rank, size,
+                                     datetime.timedelta(seconds=timeout_s))
+        return cls(store, pg, rank, size, session_id, backend)
 
     @property
     def size(self) -> int:
@@ -203,11 +216,13 @@ class GlooSession:
 
     def _run(self, tensor: torch.Tensor, op) -> torch.Tensor:
         if self._pg is None:
-            raise RuntimeError(f"GlooSession {self.session_id}: closed")
-        host = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() else tensor.detach().cpu().contiguous()
-        op(host).wait()
-        if host is not tensor:
-            tensor.copy_(host)
+            raise RuntimeError(f"SpotSession {self.session_id}: closed")
+        # Gloo reduces host tensors, NCCL device ones: a tensor elsewhere makes a round trip.
+        device = "cpu" if self.backend == "gloo" else "cuda"
+        work = tensor if tensor.device.type == device and tensor.is_contiguous() else tensor.detach().to(device).contiguous()
+        op(work).wait()
+        if work is not tensor:
+            tensor.copy_(work)
         return tensor
 
     def _allreduce(self, tensor: torch.Tensor, reduce_op) -> torch.Tensor:
@@ -223,7 +238,7 @@ class GlooSession:
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         if not 0 <= src < self._size:
-            raise ValueError(f"GlooSession.broadcast_: src={src}: not a member of a {self._size}-rank session")
+            raise ValueError(f"SpotSession.broadcast_: src={src}: not a member of a {self._size}-rank session")
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
@@ -237,7 +252,7 @@ class GlooSession:
             pg.shutdown()
         self._store = None
 
-    def __enter__(self) -> "GlooSession":
+    def __enter__(self) -> "SpotSession":
         return self
 
     def __exit__(self, *exc) -> None:

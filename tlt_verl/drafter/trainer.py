@@ -12,7 +12,7 @@ step's start, so weights, optimizer state, schedule and cursor always describe a
 step (the optimizer step itself is never interrupted).
 
 Collectives go through a ``Reducer`` (``reducer.py``): by default the torch.distributed default
-group when one is initialised, else none; a ``GlooSession`` trains on a subset of the ranks.
+group when one is initialised, else none; a ``SpotSession`` trains on a subset of the ranks.
 Before every micro-step the ranks agree, in one all-reduce SUM of two flags, on whether any of
 them was told to stop (one rank leaving alone would hang the others in the gradient all-reduce)
 and on how many of them have data. A rank whose buffer is still empty runs no micro-step and
@@ -36,6 +36,13 @@ from .packing import pack
 from .reducer import Reducer, default_reducer
 
 
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def autocast_bf16(precision: str, device: torch.device) -> bool:
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     lr: float = 3e-4
@@ -52,6 +59,8 @@ class TrainerConfig:
     recency_decay: float = 0.5         # DataBuffer.sample_batches: weight per RL step of age
     max_age_steps: int | None = None
     seed: int = 0
+    # "auto": bf16 autocast on CUDA, fp32 on CPU; "bf16" / "fp32" force one (bf16 runs on CPU too).
+    precision: str = "auto"
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self):
@@ -69,6 +78,7 @@ class TrainerConfig:
         for name in ("grad_accum", "tokens_per_micro", "row_len"):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)}: must be >= 1")
         need(0 <= self.recency_decay <= 1, f"recency_decay={self.recency_decay}: must be in [0, 1]")
+        need(self.precision in PRECISIONS, f"precision={self.precision!r}: must be one of {', '.join(PRECISIONS)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -183,7 +193,9 @@ class DrafterTrainer:
         if device.type != "cpu":
             batch.tensors = {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}
             batch.position_ids, batch.seq_ids = batch.position_ids.to(device), batch.seq_ids.to(device)
-        loss, metrics = drafter_loss(self.drafter, batch, c.loss)
+        # Master weights and optimizer state stay fp32; the forward and loss run in bf16 where asked.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16(c.precision, device)):
+            loss, metrics = drafter_loss(self.drafter, batch, c.loss)
         loss.backward()
         metrics["samples"] = len(samples)
         return metrics

@@ -40,6 +40,8 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
         target = self.config.model.get("local_path") or self.config.model.path
         self._tlt_replica = int(replica_of_rank[str(self.rank)])
         core = _core_of(self._tlt_replica) if self._device() == "cpu" else None
+        # The drafter trains on this rank's own device (bf16 autocast, NCCL sessions on a GPU).
+        service_config = {**service_config, "device": self._rank_device()}
         self._tlt_service = DrafterProcess(str(target), DrafterServiceConfig.from_dict(service_config), core=core)
         registry.set_service(self._tlt_service)
         return {"rank": self.rank, "replica": self._tlt_replica, "pid": self._tlt_service.pid}
@@ -89,6 +91,11 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_export_drafter(self, out_dir: str) -> str:
         return str(self._tlt_service.export(out_dir))
+
+    def _rank_device(self) -> str:
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}" if self._device() == "cuda" else "cpu"
 
     def _device(self) -> str:
         from verl.utils.device import get_device_name

@@ -41,7 +41,7 @@ from tlt_verl.capture.buffer import KINDS, BufferConfig, DataBuffer
 from tlt_verl.drafter import DrafterConfig, build_drafter
 from tlt_verl.drafter.checkpoint import CheckpointError, CheckpointManager, SaveHandle, load_latest, snapshot
 from tlt_verl.drafter.export import LAYOUTS, export_drafter, load_drafter, read_drafter_config
-from tlt_verl.drafter.reducer import GlooSession, LocalReducer, SessionAborted
+from tlt_verl.drafter.reducer import BACKEND_OF_DEVICE, LocalReducer, SessionAborted, SpotSession
 from tlt_verl.drafter.target_weights import load_target_tensors
 from tlt_verl.drafter.trainer import DrafterTrainer, TrainerConfig
 
@@ -291,7 +291,8 @@ class DrafterService:
         stats, session = self._stats, None
         try:
             t0 = time.perf_counter()
-            session = GlooSession.join(host, port, session_id, rank, size, timeout_s, abort=self._stop.is_set)
+            session = SpotSession.join(host, port, session_id, rank, size, timeout_s, abort=self._stop.is_set,
+                                       backend=BACKEND_OF_DEVICE[self.device.type])
             t1 = time.perf_counter()
             self._adopt(session, source_rank)
             t2 = time.perf_counter()
@@ -325,7 +326,7 @@ class DrafterService:
                 ops, self._pending_ops = self._pending_ops, []
                 self._apply(target, ops)
 
-    def _adopt(self, session: GlooSession, source_rank: int) -> None:
+    def _adopt(self, session: SpotSession, source_rank: int) -> None:
         """Every member takes the source's weights, optimizer state and step (not its data cursor:
         that indexes the source's own buffer). A member that cannot (a different drafter or
         trainer config) makes the whole session fail, agreed by all, rather than hang it."""

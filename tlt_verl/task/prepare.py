@@ -4,7 +4,7 @@ Each stage writes into a temporary directory and renames it into place, with a s
 the hash of the settings that produced it. A stage is skipped when its stamp matches, so repeated
 runs are cheap and an interrupted run never leaves a half-written artifact that looks complete.
 
-    python -m tlt_verl.task.prepare --root DIR [--force] [--eval 64]
+    python -m tlt_verl.task.prepare --root DIR [--force] [--eval 64] [--device cuda]
 """
 from __future__ import annotations
 
@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", type=Path, required=True, help="directory for all artifacts")
     parser.add_argument("--force", action="store_true", help="rebuild every stage even if up to date")
     parser.add_argument("--sft-steps", type=int, default=None, help="SFT updates (default: SFTConfig.max_steps)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the SFT updates run, e.g. cuda (default cpu; not part of the cache key)")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers of the SFT model (default: TinyModelSpec.num_hidden_layers)")
     parser.add_argument("--eval", type=int, default=0, metavar="N",
@@ -311,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = PrepareSettings()
     if args.sft_steps is not None:
         settings = replace(settings, sft=replace(settings.sft, max_steps=args.sft_steps))
+    settings = replace(settings, sft=replace(settings.sft, device=args.device))
     try:
         settings = settings_for_layers(args.layers, settings)
     except ValueError as e:

@@ -62,6 +62,10 @@ class SFTConfig:
     # busy process, two OpenMP threads fell to ~2 updates/s (one kept ~10): don't train beside
     # other jobs, or set threads=1.
     threads: int = 2
+    # Where the updates run ("cpu", "cuda", "cuda:1"). Like ``threads`` it is not part of the
+    # recipe: the same updates over the same batches, only the float rounding differs, so a
+    # model trained on a GPU stands in for the CPU one (bench/gpu_check.py relies on it).
+    device: str = "cpu"
     log_every_s: float = 10.0
     eval_every: int = 500
     eval_examples: int = 32
@@ -71,8 +75,8 @@ class SFTConfig:
 
     def identity(self) -> dict:
         """The settings that decide the trained weights (prepare's cache key): not the thread
-        count or how often progress is shown."""
-        reporting = ("threads", "log_every_s", "eval_every", "eval_examples")
+        count, the device or how often progress is shown."""
+        reporting = ("threads", "device", "log_every_s", "eval_every", "eval_examples")
         return {k: v for k, v in asdict(self).items() if k not in reporting}
 
 
@@ -112,8 +116,9 @@ def teacher_forced_accuracy(model, examples, pad_id: int) -> tuple[float, float]
     when copying operands from the prompt has been learned, long before sampling would."""
     import torch
 
+    device = next(model.parameters()).device
     with torch.no_grad():
-        input_ids, labels, attention = collate(examples, list(range(len(examples))), pad_id)
+        input_ids, labels, attention = (t.to(device) for t in collate(examples, list(range(len(examples))), pad_id))
         pred = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].argmax(-1)
     target = labels[:, 1:]
     mask = target != IGNORE_INDEX
@@ -178,9 +183,13 @@ def train_sft(
     from transformers import GenerationConfig
 
     torch.set_num_threads(cfg.threads)
-    model = build_tiny_model(tokenizer, spec, seed=cfg.model_seed)
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"SFTConfig.device={cfg.device!r}: this torch sees no CUDA device")
+    # Built on the CPU, then moved: the initial weights are the same on every device.
+    model = build_tiny_model(tokenizer, spec, seed=cfg.model_seed).to(device)
     model.train()
-    log(f"sft: model {num_parameters(model):,} parameters, vocab {model.config.vocab_size}")
+    log(f"sft: model {num_parameters(model):,} parameters, vocab {model.config.vocab_size}, on {device}")
 
     t_data = time.perf_counter()
     examples = encode_examples(
@@ -218,7 +227,8 @@ def train_sft(
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
-            input_ids, labels, attention = collate(examples, indices, tokenizer.pad_token_id)
+            input_ids, labels, attention = (t.to(device, non_blocking=True)
+                                            for t in collate(examples, indices, tokenizer.pad_token_id))
             logits = model(input_ids=input_ids, attention_mask=attention).logits
             # Shift so position t predicts token t+1; only response tokens carry a label.
             loss = F.cross_entropy(
@@ -260,7 +270,7 @@ def train_sft(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.eval()
+    model.eval().to("cpu")
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -274,4 +284,5 @@ def train_sft(
         "train_s": round(train_s, 1),
         "parameters": num_parameters(model),
         "final_loss": round(loss_sum / loss_count if loss_count else recent_loss, 4),
+        "device": str(device),
     }

@@ -1,7 +1,8 @@
 """vLLM rollout behind verl's rollout interfaces (replica, server actor, server adapter).
 
-Built on vLLM's AsyncLLM directly rather than on verl's vLLM HTTP server: that server is
-built around CUDA IPC weight transfer and CUDA graphs, while this one has to run on CPU,
-carry the drafter, and record per-request timelines for the long-tail measurements.
+The server runs vLLM's AsyncLLM with the drafter, the adaptive SD policy and the per-request
+timelines; between it and the trainer everything is verl's own vLLM rollout, subclassed: the
+server adapter and its bucketed weight transport (CUDA IPC on GPU, shared memory on CPU), the
+worker extension, the wake / sleep lifecycle.
 """
 NAME = "tlt_vllm"
