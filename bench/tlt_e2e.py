@@ -42,7 +42,8 @@ def frozen_vs_adaptive(results: dict, last: int = 5) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--drafter", default="scratch", help="tlt.drafter.init of both TLT arms")
+    p.add_argument("--drafter", default="warm",
+                   help="tlt.drafter.init of both TLT arms: warm (the cached offline-trained drafter), scratch, or a folder")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "tlt_e2e.json"))
     p.add_argument("--run-dir", default=None, help="where the runs go (default: runs/tlt_e2e-<time>)")

@@ -441,3 +441,27 @@ def test_prepare_cli_refuses_a_bad_depth_in_one_line():
     out = subprocess.run([sys.executable, "-m", "tlt_verl.cli", "prepare", "--layers", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and out.stderr.strip() == "tlt-verl: prepare --layers=0: must be >= 1"
+
+
+def test_warm_drafter_is_built_once_per_sft_model(tmp_path):
+    from tlt_verl.task import warm_drafter
+
+    with pytest.raises(ValueError, match="no finished SFT model"):
+        warm_drafter.prepare_warm_drafter(tmp_path)
+    # A finished SFT model and a warm drafter stamped for it: reused as it is, nothing trains.
+    model, drafter = tmp_path / "sft_model", tmp_path / warm_drafter.DIRNAME
+    stamp = {"hash": "m1", "elapsed_s": 1.0}
+    model.mkdir()
+    (model / prepare_mod.STAMP_NAME).write_text(json.dumps(stamp))
+    settings = {**warm_drafter.SETTINGS, "target": "m1"}
+    drafter.mkdir()
+    (drafter / prepare_mod.STAMP_NAME).write_text(json.dumps({"hash": prepare_mod._hash(settings), "elapsed_s": 180.0}))
+    said = []
+    assert warm_drafter.prepare_warm_drafter(tmp_path, log=said.append) == drafter
+    assert "up to date" in said[0]
+    # A new SFT model makes it stale: the build starts (and fails here on the stand-in model,
+    # leaving the cached folder as it was: the build is atomic).
+    (model / prepare_mod.STAMP_NAME).write_text(json.dumps({**stamp, "hash": "m2"}))
+    with pytest.raises(Exception):
+        warm_drafter.prepare_warm_drafter(tmp_path, log=said.append)
+    assert "building" in said[-1] and (drafter / prepare_mod.STAMP_NAME).is_file()

@@ -103,8 +103,9 @@ def main(argv=None) -> int:
     r.add_argument("--run-dir", default=None)
     r.add_argument("--no-tlt", dest="tlt", action="store_false",
                    help="stock verl: the recipe without +tlt.enable=true")
-    r.add_argument("--drafter", default="scratch",
-                   help="tlt.drafter.init: an exported EAGLE drafter folder, or scratch (default)")
+    r.add_argument("--drafter", default="warm",
+                   help="tlt.drafter.init: warm (default: the task target's offline-trained drafter, built "
+                        "once and cached beside the SFT model), scratch, or an exported EAGLE drafter folder")
     r.add_argument("--compare", action="store_true",
                    help="also run the recipe without TLT (same seed and data) and print the ratios")
     r.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. actor_rollout_ref.actor.optim.lr=1e-5")

@@ -86,7 +86,11 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_drafter_metrics(self) -> dict[str, Any]:
-        return {**self._tlt_service.metrics(), "state_version": self._tlt_service.state_version}
+        from tlt_verl.spot.drafter_service import PREFIX
+
+        metrics = self._tlt_service.metrics()
+        # One round trip: the metrics carry the state version the coordinator ranks drafters by.
+        return {**metrics, "state_version": int(metrics.get(PREFIX + "version", 0))}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def tlt_export_drafter(self, out_dir: str) -> str:

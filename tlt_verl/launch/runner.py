@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +29,9 @@ class RunError(RuntimeError):
     pass
 
 
+WARM = "warm"
+
+
 @dataclass
 class RunConfig:
     recipe: str = "tiny_cpu_grpo"
@@ -38,8 +41,9 @@ class RunConfig:
     assets_root: Path = DEFAULT_HOME / "assets"
     quiet: bool = False
     # TLT on (the embedded default) with the drafter from tlt.drafter.init; off: stock verl.
+    # "warm": the task target's offline-trained drafter (tlt_verl.task.warm_drafter), built once.
     tlt: bool = False
-    drafter_init: str = "scratch"
+    drafter_init: str = WARM
 
     def given_keys(self) -> set[str]:
         """The config keys the user's overrides set (`+k=v`, `++k=v`, `~k`, `k=v`)."""
@@ -146,6 +150,10 @@ def run(cfg: RunConfig) -> dict:
     recipe = cfg.recipe_path()
     t0 = time.time()
     assets = prepare(Path(cfg.assets_root), log=say)
+    if cfg.tlt and cfg.drafter_init == WARM and "tlt.drafter.init" not in cfg.given_keys():
+        from tlt_verl.task.warm_drafter import prepare_warm_drafter
+
+        cfg = replace(cfg, drafter_init=str(prepare_warm_drafter(Path(cfg.assets_root), log=say)))
     run_dir = Path(cfg.run_dir or (REPO / "runs" / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path, tl_dir, log_path = run_dir / "metrics.jsonl", run_dir / "timeline", run_dir / "verl.log"

@@ -1,0 +1,43 @@
+"""The task target's warm drafter: an EAGLE-1 drafter trained offline once, cached beside the SFT model.
+
+TLT's default run starts RL from it and adapts it online (as the reference system starts from its
+released RL drafters): a drafter from scratch accepts about one token per step for most of a short
+run, so SD runs at a loss until it has learned. Trained on the target's own sampled responses to
+task prompts that are not in the RL data (`tlt_verl.drafter.warmup`), for a fixed wall-clock
+budget; rebuilt only when the SFT model or these settings change, and written atomically.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tlt_verl.task.prepare import _build_atomically, _hash, _read_stamp
+
+DIRNAME = "warm_drafter"
+# Generation through vLLM (a minute here, where HF generate would take several), then 120 s of
+# training: acceptance 3.3 at k = 3 on the current target (bench/results/drafter_acceptance.json).
+SETTINGS = {"kind": "eagle", "budget_s": 120.0, "num_prompts": 256, "max_new_tokens": 1024, "generator": "vllm"}
+
+
+def prepare_warm_drafter(root: Path, log=print) -> Path:
+    """The exported drafter folder under ``root`` (the assets folder), built if missing or stale."""
+    from tlt_verl.drafter.warmup import WarmupConfig, run_warmup
+
+    root = Path(root)
+    model, target = root / "sft_model", root / DIRNAME
+    model_stamp = _read_stamp(model)
+    if model_stamp is None:
+        raise ValueError(f"{model}: no finished SFT model (run ./tlt prepare first)")
+    settings = {**SETTINGS, "target": model_stamp["hash"]}
+    stamp = _read_stamp(target)
+    if stamp is not None and stamp.get("hash") == _hash(settings):
+        log(f"prepare: warm drafter: up to date ({target}), built in {stamp['elapsed_s']}s earlier")
+        return target
+    log(f"prepare: warm drafter: building {target} (about {SETTINGS['budget_s'] + 60:.0f} s, once)")
+
+    def build(tmp: Path) -> dict:
+        report = run_warmup(WarmupConfig(target=str(model), out=str(tmp), **SETTINGS), log=log)
+        return report.get("training", {})
+
+    stamp = _build_atomically(target, build, settings)
+    log(f"prepare: warm drafter: built in {stamp['elapsed_s']}s")
+    return target
