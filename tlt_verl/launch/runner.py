@@ -143,6 +143,18 @@ def cluster_overrides(cfg: RunConfig, run_dir: Path, worker_env: dict[str, str])
     return out
 
 
+def _warm_drafter(root: Path, quiet: bool) -> Path:
+    """Built in a child process: its generation engine and training would otherwise stay in this
+    process's memory for the whole run."""
+    p = subprocess.run([sys.executable, "-m", "tlt_verl.task.warm_drafter", "--root", str(root)],
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None, text=True)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines:
+        raise RunError(f"the warm drafter could not be built under {root} (exit code {p.returncode}); "
+                       f"--drafter scratch starts without it")
+    return Path(lines[-1])
+
+
 def run(cfg: RunConfig) -> dict:
     from tlt_verl.task.prepare import prepare
 
@@ -151,9 +163,7 @@ def run(cfg: RunConfig) -> dict:
     t0 = time.time()
     assets = prepare(Path(cfg.assets_root), log=say)
     if cfg.tlt and cfg.drafter_init == WARM and "tlt.drafter.init" not in cfg.given_keys():
-        from tlt_verl.task.warm_drafter import prepare_warm_drafter
-
-        cfg = replace(cfg, drafter_init=str(prepare_warm_drafter(Path(cfg.assets_root), log=say)))
+        cfg = replace(cfg, drafter_init=str(_warm_drafter(Path(cfg.assets_root), cfg.quiet)))
     run_dir = Path(cfg.run_dir or (REPO / "runs" / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path, tl_dir, log_path = run_dir / "metrics.jsonl", run_dir / "timeline", run_dir / "verl.log"

@@ -41,3 +41,22 @@ def prepare_warm_drafter(root: Path, log=print) -> Path:
     stamp = _build_atomically(target, build, settings)
     log(f"prepare: warm drafter: built in {stamp['elapsed_s']}s")
     return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="build (once) the task target's warm drafter")
+    parser.add_argument("--root", type=Path, required=True, help="the assets folder (holds sft_model/)")
+    args = parser.parse_args(argv)
+    import sys
+
+    try:
+        # Progress on stderr; stdout carries the folder, for the runner that started this.
+        print(prepare_warm_drafter(args.root, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    except ValueError as e:
+        parser.exit(1, f"warm_drafter: {e}\n")
+
+
+if __name__ == "__main__":
+    main()
