@@ -15,6 +15,11 @@ run time through the engine core (patches/vllm_sd/runtime.py); its k=0 row is "S
 off", which still runs the drafter's first forward each step (vLLM keeps the drafter's KV cache
 in step for when k comes back). Step times are medians of the engine's own per-step records,
 decode steps only.
+
+`--drafter DIR` measures an exported (e.g. warmed-up) drafter instead, and `--prompts task` feeds
+it task prompts with long worked solutions, so the SD rows' acceptance is real rather than ~0.
+`--gpu` runs both engines on CUDA as a GPU rollout would (bf16, CUDA graphs); bench/gpu_check.py
+uses it.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench import portable_settings  # noqa: E402
+from bench import portable, portable_settings  # noqa: E402
 
 
 def _random_drafter(model_dir: Path, out: Path) -> Path:
@@ -53,7 +58,29 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab - 8) for _ in range(length)] for _ in range(n)]
 
 
-def _measure(llm, sizes, tokens, prompt_len, vocab, repeats, set_k=None, ks=(None,)):
+# Task problems whose worked solution runs past the measured tokens: the drafter is then
+# measured on the text it was trained on, not on what follows an end-of-sequence token.
+MIN_TASK_STEPS = 8
+
+
+def task_prompt_source(model: Path):
+    """``(n, seed) -> n tokenized task prompts`` with long solutions, and the longest prompt."""
+    from transformers import AutoTokenizer
+
+    from tlt_verl.task.longtail import generate_problems
+    from tlt_verl.task.sft import prompt_text
+
+    tok = AutoTokenizer.from_pretrained(model)
+    pool = [p for p in generate_problems(2048, 11) if p.num_steps >= MIN_TASK_STEPS]
+    ids = tok([prompt_text(p.prompt) for p in pool], add_special_tokens=False)["input_ids"]
+
+    def make(n: int, seed: int) -> list[list[int]]:
+        return [ids[(seed * 97 + i) % len(ids)] for i in range(n)]
+
+    return make, max(map(len, ids))
+
+
+def _measure(llm, sizes, tokens, prompt_len, vocab, repeats, set_k=None, ks=(None,), make_prompts=None):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -67,7 +94,8 @@ def _measure(llm, sizes, tokens, prompt_len, vocab, repeats, set_k=None, ks=(Non
         for b in sizes:
             best = None
             for r in range(repeats):
-                prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(b, prompt_len, vocab, seed=r)]
+                ids = make_prompts(b, r) if make_prompts else _prompts(b, prompt_len, vocab, seed=r)
+                prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
                 sd_control.take_sd_metrics(llm)
                 t = time.perf_counter()
                 llm.generate(prompts, sp, use_tqdm=False)
@@ -122,6 +150,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="target folder (default: the task's SFT model via prepare); "
                     "only its architecture matters for the cost side")
     ap.add_argument("--acceptance", default="0.5,0.7,0.8", help="per-token acceptance rates to model")
+    ap.add_argument("--drafter", default=None, help="an exported EAGLE-1 drafter folder (default: a random one)")
+    ap.add_argument("--prompts", choices=["random", "task"], default="random",
+                    help="random token prompts of --prompt-len, or task prompts with long solutions")
+    ap.add_argument("--gpu", action="store_true", help="engines on CUDA: bf16 and CUDA graphs (default: the "
+                    "CPU engine's fp32, eager)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     rates = [float(a) for a in args.acceptance.split(",")]
@@ -134,14 +167,19 @@ def main(argv=None) -> int:
     model = Path(args.model) if args.model else Path(prepare(REPO / ".cache/tlt/assets")["model"])
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     work = Path(tempfile.mkdtemp(prefix="sd_threshold-"))
-    drafter = _random_drafter(model, work / "drafter")
+    drafter = Path(args.drafter) if args.drafter else _random_drafter(model, work / "drafter")
+    make_prompts, prompt_len = None, args.prompt_len
+    if args.prompts == "task":
+        make_prompts, prompt_len = task_prompt_source(model)
     max_seqs = max(sizes)
-    engine = dict(skip_tokenizer_init=True, max_model_len=args.prompt_len + args.tokens + args.max_k + 8,
-                  max_num_seqs=max_seqs, max_num_batched_tokens=max(4096, max_seqs * (args.prompt_len + args.max_k + 2)))
+    engine = dict(skip_tokenizer_init=True, max_model_len=prompt_len + args.tokens + args.max_k + 8,
+                  max_num_seqs=max_seqs, max_num_batched_tokens=max(4096, max_seqs * (prompt_len + args.max_k + 2)))
+    if args.gpu:
+        engine.update(dtype="bfloat16", enforce_eager=False)
     t0 = time.time()
     llm = offline_llm(str(model), **engine)
     try:
-        plain = _measure(llm, sizes, args.tokens, args.prompt_len, vocab, args.repeats)
+        plain = _measure(llm, sizes, args.tokens, args.prompt_len, vocab, args.repeats, make_prompts=make_prompts)
     finally:
         llm.llm_engine.engine_core.shutdown()
     spec = {"method": "eagle", "model": str(drafter), "num_speculative_tokens": args.max_k,
@@ -150,7 +188,7 @@ def main(argv=None) -> int:
     try:
         sd = _measure(llm, sizes, args.tokens, args.prompt_len, vocab, args.repeats,
                       set_k=lambda k: sd_control.set_sd_schedule(llm, [[1, max_seqs, k]]),
-                      ks=range(0, args.max_k + 1))
+                      ks=range(0, args.max_k + 1), make_prompts=make_prompts)
     finally:
         llm.llm_engine.engine_core.shutdown()
     result = {
@@ -159,7 +197,7 @@ def main(argv=None) -> int:
         "host": {"cpus": len(os.sched_getaffinity(0)), "machine": platform.machine(),
                  "loadavg_at_end": os.getloadavg()},
         "target": str(model.relative_to(REPO)) if model.is_relative_to(REPO) else str(model),
-        "drafter": "random EAGLE-1 (tlt_verl.drafter, seed 0)",
+        "drafter": portable(args.drafter) if args.drafter else "random EAGLE-1 (tlt_verl.drafter, seed 0)",
         "args": portable_settings(vars(args)), "seconds": time.time() - t0, "plain": plain, "sd": sd,
         **analyse(plain, sd, rates),
     }

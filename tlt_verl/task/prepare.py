@@ -140,6 +140,17 @@ def _build_atomically(target: Path, build: Callable[[Path], dict], settings: dic
     return stamp
 
 
+STAGE_DIRS = {"tokenizer": "tokenizer", "data": "data", "model": "sft_model"}
+
+
+def stale_stages(root: Path, settings: PrepareSettings | None = None) -> list[str]:
+    """The stages ``prepare(root, settings=settings)`` would build rather than reuse: a caller
+    that cannot afford a build (an SFT run takes minutes) asks first."""
+    stages = _stage_settings(settings or PrepareSettings())
+    return [name for name, sub in STAGE_DIRS.items()
+            if (_read_stamp(Path(root) / sub) or {}).get("hash") != _hash(stages[name])]
+
+
 def prepare(root: Path, force: bool = False, settings: PrepareSettings | None = None, log=print) -> dict:
     """Build tokenizer, train/val parquet and SFT model under ``root``; return their paths.
 
@@ -153,11 +164,11 @@ def prepare(root: Path, force: bool = False, settings: PrepareSettings | None = 
     stages = _stage_settings(settings)
     paths = {
         "root": root,
-        "tokenizer": root / "tokenizer",
-        "data": root / "data",
-        "train": root / "data" / "train.parquet",
-        "val": root / "data" / "val.parquet",
-        "model": root / "sft_model",
+        "tokenizer": root / STAGE_DIRS["tokenizer"],
+        "data": root / STAGE_DIRS["data"],
+        "train": root / STAGE_DIRS["data"] / "train.parquet",
+        "val": root / STAGE_DIRS["data"] / "val.parquet",
+        "model": root / STAGE_DIRS["model"],
     }
     report: dict[str, dict] = {}
 
