@@ -161,3 +161,55 @@ def test_staging_holds_one_buffer_budget_and_hands_over_in_bounded_messages():
     batch = torch.zeros(10, 100, 64)
     stage.add(0, torch.arange(100), torch.ones(100, dtype=torch.bool), batch[3])
     assert stage.take()[0][3].untyped_storage().nbytes() == 100 * 64 * 4
+
+
+def _staging_peak(spec: dict) -> dict:
+    """In a fresh process (its own high-water mark): capture far more states than the buffer's
+    budget into the staging buffer, then hand them to the drafter process as a step does."""
+    import re
+    from pathlib import Path
+
+    from tlt_verl.capture.buffer import BufferConfig
+
+    def status(key):
+        return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) << 10
+
+    budget = spec["budget_mib"] << 20
+    proc = DrafterProcess(spec["target"], cfg(buffer=BufferConfig(kind="eagle", budget_bytes=budget)))
+    try:
+        proc.metrics()                                        # the pipe and the child up
+        tokens, hidden = spec["tokens"], spec["hidden"]
+        base = status("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")         # reset VmHWM
+        captured = 0
+        for i in range(spec["samples"]):
+            ids = torch.randint(0, VOCAB, (tokens,))
+            states = torch.randn(tokens, hidden)
+            proc.staging.add(1, ids, torch.ones(tokens, dtype=torch.bool), states)
+            captured += ids.nbytes + tokens + states.nbytes
+            del ids, states
+        proc.metrics()                                        # staged samples go to the child first
+        return {"peak_added": status("VmHWM") - base, "captured": captured, "budget": budget,
+                "dropped": proc.staging.dropped, "left": len(proc.staging)}
+    finally:
+        proc.close()
+
+
+def test_capture_staging_adds_about_one_buffer_budget_to_the_actor_not_everything_captured(target, tmp_path):
+    from _subproc import run_in_subprocess
+
+    # 192 samples of 4,096 states of 32 floats: 103 MiB captured against a 16 MiB budget.
+    r = run_in_subprocess(__file__, {"target": target["dir"], "budget_mib": 16, "tokens": 4096, "hidden": 32,
+                                     "samples": 192}, tmp_path, timeout=300)
+    assert r["captured"] > 6 * r["budget"] and r["dropped"] > 0 and r["left"] == 0
+    # Held: at most the budget, plus the message it is serialised into while it is handed over
+    # (torch.save's buffer grows by doubling). Unbounded, the 103 MiB captured would all be
+    # staged and then serialised.
+    assert r["peak_added"] <= 3 * r["budget"], r
+    assert r["peak_added"] <= r["captured"] / 2, r
+
+
+if __name__ == "__main__":
+    from _subproc import child_main
+
+    child_main(_staging_peak)

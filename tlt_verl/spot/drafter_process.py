@@ -45,10 +45,11 @@ class DrafterProcessError(RuntimeError):
     """The child could not start, or died and could not be restarted."""
 
 
-def _dumps(obj) -> bytes:
+def _dumps(obj) -> memoryview:
     buf = io.BytesIO()
     torch.save(obj, buf)
-    return buf.getvalue()
+    # A view, not getvalue()'s copy: a message of staged states is not held twice on the way out.
+    return buf.getbuffer()
 
 
 def _loads(data: bytes):
