@@ -4,7 +4,7 @@ One service per process. It owns the drafter (bound to the target's frozen embed
 its optimizer and trainer, and the process-local DataBuffer that ``verl_capture`` fills from the
 actor's old-log-prob pass. The coordinator drives it:
 
-    start_session(id, rank, size, host, port, source_rank)   join a Gloo group of the idle ranks,
+    start_session(id, rank, size, host, port, source_rank)   join a group of the idle ranks,
                                                              adopt the source member's state,
                                                              train in a background thread
     stop(timeout_s) -> stats                                 preempt: returns within a micro-step
