@@ -116,7 +116,8 @@ def teacher_forced_accuracy(model, examples, pad_id: int) -> tuple[float, float]
     when copying operands from the prompt has been learned, long before sampling would."""
     import torch
 
-    device = next(model.parameters()).device
+    # Where the model's weights are (a module without any, such as a stand-in, runs on the CPU).
+    device = next(model.parameters(), torch.empty(0)).device
     with torch.no_grad():
         input_ids, labels, attention = (t.to(device) for t in collate(examples, list(range(len(examples))), pad_id))
         pred = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].argmax(-1)
