@@ -244,12 +244,14 @@ class DrafterProcess:
         return {**stats, "stopped": True, "error": reason, "timed_out": False, "state_version": 0}
 
     def set_target_tensors(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
-        """Sent once per change: an unchanged embedding and LM head (frozen, or a sync of the same
+        """Takes ownership of host tensors (the caller must not change them afterwards). Sent once per change: an unchanged embedding and LM head (frozen, or a sync of the same
         weights) cost a comparison, not a copy through the pipe."""
         if self._target is not None and _same(self._target[0], embed) and _same(self._target[1], lm_head):
             return
-        e = embed.detach().to("cpu", copy=True)
-        h = e if lm_head is embed else lm_head.detach().to("cpu", copy=True)
+        # Host tensors are taken as they are (the adapter hands over copies of its own); only
+        # device tensors are copied here.
+        e = embed.detach().to("cpu")
+        h = e if lm_head is embed else lm_head.detach().to("cpu")
         self._target = (e, h)                  # a restart applies the latest
         if self._ready.is_set():
             self._call("set_target_tensors", e, h)

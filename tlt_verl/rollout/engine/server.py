@@ -258,11 +258,15 @@ class VllmServer:
 
     async def update_drafter_from_file(self, path: str) -> str:
         """Hot-swap the drafter's weights; checked here first, since a failed RPC kills the engine."""
+        self.check_awake("push a drafter", ("weights",))
+        return await self._load_drafter(str(path))
+
+    async def _load_drafter(self, path: str) -> str:
+        """Load the drafter weights in `path` (validated first) and remember them as what is served."""
         from tlt_verl.rollout.engine.drafter_push import push_drafter_async
 
-        self.check_awake("push a drafter", ("weights",))
         sha = await push_drafter_async(self.engine, self._manifest(), path)
-        self._drafter_file, self._drafter_sha, self._drafter_lost = str(path), sha, False
+        self._drafter_file, self._drafter_sha, self._drafter_lost = path, sha, False
         return sha
 
     def _manifest(self):
@@ -286,18 +290,16 @@ class VllmServer:
         drafter's (vLLM 52479: acceptance then silently falls to 0). A push since the wake has
         replaced it already; otherwise it is reloaded from the file it last came from.
         """
-        from tlt_verl.rollout.engine.drafter_push import push_drafter_async
-
         async with self._restore_lock:
             if not self._drafter_lost:
                 return
             spec = self.engine.vllm_config.speculative_config
             path = self._drafter_file or os.path.join(spec.model, "model.safetensors")
-            sha = await push_drafter_async(self.engine, self._manifest(), path)
-            if self._drafter_sha is not None and sha != self._drafter_sha:
+            served = self._drafter_sha
+            sha = await self._load_drafter(path)
+            if served is not None and sha != served:
                 raise RuntimeError(f"replica {self.replica_rank}: the drafter restored after sleep from {path} "
-                                   f"reads back {sha[:12]}, it served {self._drafter_sha[:12]} before")
-            self._drafter_file, self._drafter_sha, self._drafter_lost = path, sha, False
+                                   f"reads back {sha[:12]}, it served {served[:12]} before")
             self.drafter_restores += 1
 
     async def set_global_steps(self, global_steps: int) -> None:
