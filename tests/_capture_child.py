@@ -1,10 +1,11 @@
 """Child process of tests/test_verl_capture.py: verl's real actor worker on one CPU rank.
 
-Builds ``ActorRolloutRefWorker(role="actor")`` (FSDP2 over gloo, world size 1) the way verl's
-trainer configures it, runs ``compute_log_prob`` on rollout batches laid out as trainer v1 and v0
-hand them over, with capture off and on, and saves what came out (log-probs, buffer samples, hook
-counts) for the test to check against a direct HF forward. A child, because the worker leaves a
-torch.distributed process group behind.
+Builds ``ActorRolloutRefWorker(role="actor")`` (FSDP2 over gloo, world size 1, gradient
+checkpointing on as in verl's recipes) the way verl's trainer configures it, runs ``update_actor``
+(two epochs) on rollout batches laid out as trainer v1 and v0 hand them over, with capture off and
+on, and saves what came out (training metrics, weights, buffer samples, hook counts) for the test
+to check against a direct HF forward of the weights the rollout sampled with. A child, because the
+worker leaves a torch.distributed process group behind.
 
     python tests/_capture_child.py MODEL_DIR OUT_FILE
 """
@@ -51,6 +52,7 @@ def build_worker(model_dir: str, remove_padding: bool):
             "actor_rollout_ref.actor.fsdp_config.dtype=float32",
             "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
             "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=True",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.use_dynamic_bsz=True",
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
@@ -89,9 +91,10 @@ def batch_v1(seqs):
     return td
 
 
-def batch_v0(seqs):
+def batch_v0(seqs, update: bool = False):
     """As trainer v0 hands a rollout batch over: DataProto (left-padded prompts, right-padded
-    responses), to_tensordict, left_right_2_no_padding."""
+    responses), to_tensordict, left_right_2_no_padding; ``update``: with the advantages and old
+    log-probs an update needs, padded as the responses are."""
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -107,9 +110,10 @@ def batch_v0(seqs):
         attention[i, P - len(p): P + len(r)] = 1
         response_mask[i, : len(r)] = m
     position_ids = (attention.cumsum(-1) - 1).clamp_min(0)
+    extra = {key: torch.full((B, R), value) for key, value in UPDATE_FIELDS} if update else {}
     proto = DataProto.from_dict(
         tensors=dict(prompts=prompts, responses=responses, input_ids=torch.cat([prompts, responses], 1),
-                     attention_mask=attention, response_mask=response_mask, position_ids=position_ids),
+                     attention_mask=attention, response_mask=response_mask, position_ids=position_ids, **extra),
         non_tensors={"max_global_steps": np.array(VERSIONS_V0, dtype=object)},
         meta_info={"temperature": 1.0})
     td = left_right_2_no_padding(proto.to_tensordict())
@@ -137,6 +141,23 @@ def samples(buffer):
              "step": s.step} for s in (buffer.get(i) for i in buffer.ids())]
 
 
+UPDATE_FIELDS = (("old_log_probs", -1.0), ("advantages", 0.5))
+
+
+def for_update(td, seqs, epochs: int = 2):
+    """A rollout batch as update_actor takes it: advantages and old log-probs added (unless the
+    layout added them), one mini-batch of every sample, ``epochs`` passes over it in order."""
+    from verl.utils import tensordict_utils as tu
+
+    for key, value in UPDATE_FIELDS:
+        if key not in td.keys():
+            td[key] = torch.nested.as_nested_tensor([torch.full((len(r),), value) for _, r, _ in seqs],
+                                                    layout=torch.jagged)
+    tu.assign_non_tensor(td, compute_loss=True, calculate_entropy=False, global_batch_size=len(seqs),
+                         mini_batch_size=len(seqs), epochs=epochs, seed=0, dataloader_kwargs={"shuffle": False})
+    return td
+
+
 def main(model_dir: str, out_file: str):
     _env()
     import verl.workers.engine_workers as ew
@@ -147,51 +168,52 @@ def main(model_dir: str, out_file: str):
 
     seqs = sequences()
     res = {"sequences": seqs, "steps_v1": STEPS_V1, "versions_v0": VERSIONS_V0,
-           "patched": bool(getattr(ew.ActorRolloutRefWorker.compute_log_prob, "_tlt_capture", False))}
+           "patched": bool(getattr(ew.ActorRolloutRefWorker.update_actor, "_tlt_capture", False))}
+
+    def update(worker, td):
+        metrics = tu.get(worker.update_actor(td), "metrics")
+        # Full tensors: FSDP2's shards (DTensors) need a process group to be read back.
+        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                   for k, v in worker.actor.engine.module.state_dict().items()}
+        return {"grad_norm": metrics["grad_norm"], "weights": weights}
+
+    def hook_count(worker):
+        return HookCounter(worker.actor.engine.module)
+
+    # Capture off: the stock update, and the hooks it runs with.
     worker = build_worker(model_dir, remove_padding=True)
-    model = worker.actor.engine.module
-    res["aux_layer_ids"] = aux = default_aux_layer_ids(model.config.num_hidden_layers)
-    hooks = HookCounter(model)
+    res["aux_layer_ids"] = aux = default_aux_layer_ids(worker.actor.engine.module.config.num_hidden_layers)
+    hooks = hook_count(worker)
     res["hooks_stock"] = hooks.stock
+    res["off"] = update(worker, for_update(batch_v1(seqs), seqs))
+    res["hooks_off"] = hooks.during
 
-    def run(td):
-        out = worker.compute_log_prob(td)
-        return {"log_probs": out["log_probs"].values().clone(), "entropy": out["entropy"].values().clone()}
-
-    res["off"] = run(batch_v1(seqs))
-    res["hooks_off"], hooks.during = hooks.during, []
+    # Capture on, a fresh worker from the same weights: the same update, and the samples of its
+    # first epoch. The log-prob pass of the same engine is not captured.
+    worker = build_worker(model_dir, remove_padding=True)
+    hooks = hook_count(worker)
     buf = verl_capture.enable("eagle3", aux, BufferConfig(kind="eagle3", dtype="bfloat16"))
-    res["on"] = run(batch_v1(seqs))
+    res["on"] = update(worker, for_update(batch_v1(seqs), seqs))
     res["hooks_on"], hooks.during = hooks.during, []
     res["hooks_after_on"] = hooks.count()
     res["v1"] = samples(buf)
     res["stats"] = vars(verl_capture.stats()).copy()
-    # A forward of the same engine outside compute_log_prob (compute_ref_log_prob's path) is not
-    # captured.
-    worker.actor.infer_batch(batch_v1(seqs))
-    res["after_other_passes"] = len(buf)
+    worker.compute_log_prob(batch_v1(seqs))
+    res["after_log_prob_pass"] = len(buf)
     res["disabled_returns_buffer"] = verl_capture.disable() is buf
-    res["off_again"] = run(batch_v1(seqs))
-    res["hooks_off_again"], hooks.during = hooks.during, []
+    hooks.during = []
+    update(worker, for_update(batch_v1(seqs), seqs, epochs=1))
+    res["hooks_off_again"] = hooks.during
     res["hooks_after_off"] = hooks.count()
 
+    worker = build_worker(model_dir, remove_padding=True)
     buf = verl_capture.enable("eagle", (), BufferConfig(kind="eagle", dtype="bfloat16"))
-    run(batch_v0(seqs))
+    update(worker, for_update(batch_v0(seqs, update=True), seqs))
     res["v0"] = samples(buf)
-
-    # The training forward (last: it changes the weights the other checks compare with).
-    td = batch_v1(seqs)
-    for key, value in (("old_log_probs", -1.0), ("advantages", 0.5)):
-        td[key] = torch.nested.as_nested_tensor([torch.full((len(r),), value) for _, r, _ in seqs],
-                                                layout=torch.jagged)
-    tu.assign_non_tensor(td, compute_loss=True, calculate_entropy=False, global_batch_size=len(seqs),
-                         mini_batch_size=len(seqs), epochs=1, seed=0, dataloader_kwargs={"shuffle": False})
-    res["update_grad_norm"] = tu.get(worker.update_actor(td), "metrics")["grad_norm"][0]
-    res["after_update"] = len(buf)
 
     padded = build_worker(model_dir, remove_padding=False)
     buf = verl_capture.enable("eagle3", aux, BufferConfig(kind="eagle3", dtype="bfloat16"))
-    res["padded_log_probs"] = padded.compute_log_prob(batch_v1(seqs))["log_probs"].values().clone()
+    res["padded_update"] = update(padded, for_update(batch_v1(seqs), seqs))
     res["padded"] = samples(buf)
     verl_capture.disable()
     torch.save(res, out_file)

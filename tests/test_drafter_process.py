@@ -203,9 +203,9 @@ def test_capture_staging_adds_about_one_buffer_budget_to_the_actor_not_everythin
                                      "samples": 192}, tmp_path, timeout=300)
     assert r["captured"] > 6 * r["budget"] and r["dropped"] > 0 and r["left"] == 0
     # Held: at most the budget, plus the message it is serialised into while it is handed over
-    # (torch.save's buffer grows by doubling). Unbounded, the 103 MiB captured would all be
-    # staged and then serialised.
-    assert r["peak_added"] <= 3 * r["budget"], r
+    # (a quarter of the budget; torch.save's buffer grows by doubling, so up to half a budget),
+    # plus allocator slack. Unbounded, the 103 MiB captured would all be staged and serialised.
+    assert r["peak_added"] <= 2.5 * r["budget"], r
     assert r["peak_added"] <= r["captured"] / 2, r
 
 

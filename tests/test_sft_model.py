@@ -46,9 +46,11 @@ def test_format_and_partial_accuracy(samples):
     # the steps out and stops.
     omitted = 1 - well_formed.mean()
     assert abs(omitted - SFTConfig().omit_answer_prob) <= 0.12, omitted
-    for o, ok in zip(outs, well_formed):
-        if not ok and o.finish_reason == "stop":
-            assert o.text.strip().split("\n")[-1].split(":")[0].isdigit(), o.text[-80:]
+    # An ill-formed response that stopped mostly ends on a step line (the omitted answer); at T=1
+    # a rare one garbles its answer line instead ("Answer: 4 +1=4=4", seen once in 128).
+    stopped = [o.text for o, ok in zip(outs, well_formed) if not ok and o.finish_reason == "stop"]
+    on_a_step = [t.strip().split("\n")[-1].split(":")[0].isdigit() for t in stopped]
+    assert not stopped or np.mean(on_a_step) >= 0.75, [t[-80:] for t, s in zip(stopped, on_a_step) if not s]
     # Right part of the time when it answers (chance is about 1 in 100; measured at T=1: 62%
     # on <= 3 steps, 44% overall), with room for RL: it still slips at temperature 1 and is
     # mostly wrong on the long tail.

@@ -1,10 +1,13 @@
 """`+tlt.enable=true` on the stock tiny GRPO recipe: verl's trainer with the drafter, end to end.
 
-One run of 3 steps (checkpoints every step) whose drafter process is SIGKILLed while it trains
-in step 3, then a resumed run to step 4 from verl's own checkpoint (`trainer.resume_mode=auto`). Checked: the drafter trains in the long tail on drained
-replicas and is pushed; SD runs in the rollout and the engine's log-probs still equal the actor's
-(sampling stayed the policy's own); `tlt/...` metrics reach verl's metrics; the drafter's
-checkpoint sits in verl's step folder and the resumed run continues from it.
+One run of 3 steps (checkpoints every step, the recipe's bypass mode) whose drafter process is
+SIGKILLed while it trains in step 3, then a resumed run to step 4 from verl's own checkpoint
+(`trainer.resume_mode=auto`) with bypass mode off, so that verl recomputes the old log-probs with
+the actor. Checked: the drafter trains in the long tail on drained replicas, on states captured
+from the actor update (verl ran no old log-prob pass), and is pushed; SD runs in the rollout and
+the engine's log-probs still equal the actor's (sampling stayed the policy's own); `tlt/...`
+metrics reach verl's metrics; the drafter's checkpoint sits in verl's step folder and the resumed
+run continues from it.
 """
 import json
 import os
@@ -67,7 +70,7 @@ def runs(assets, no_leftover_ray, tmp_path_factory):   # verl's local Ray in thi
     log1 = (run_dir / "verl.log").read_text()
     ckpts = sorted(p.name for p in _ckpt_root(run_dir).glob("global_step_*"))
     second = run(RunConfig(steps=4, run_dir=run_dir, quiet=True, assets_root=assets["root"],
-                           overrides=TLT + ["trainer.resume_mode=auto"]))
+                           overrides=TLT + ["trainer.resume_mode=auto", "algorithm.rollout_correction.bypass_mode=False"]))
     return {"dir": run_dir, "m1": m1, "log1": log1, "killed": killed, "first": first, "ckpts": ckpts,
             "second": second, "m2": _metrics(run_dir), "log2": (run_dir / "verl.log").read_text()}
 
@@ -95,12 +98,17 @@ def test_tlt_run_completes_and_reports_tlt_metrics(runs):
     # Drafter training never held the trainer up for long: preemption plus push.
     for m in m1.values():
         assert m["tlt/drafter_critical_path_s"] < 0.25 * m["timing_s/step"], m
+    # No extra forward: with the recipe's bypass mode verl ran no old log-prob pass (which would
+    # report the actor's entropy and its log-prob gap to the rollout); the drafter trained anyway.
+    for m in m1.values():
+        assert "actor/entropy" not in m and "training/rollout_probs_diff_max" not in m, sorted(m)
 
 
 def test_sampling_stays_the_policys_own_with_sd_on(runs):
-    """verl recomputes the sampled tokens' log-probs with the actor: with SD on (and the drafter
-    swapped between steps) the engine's log-probs still match them."""
-    for step, m in runs["m1"].items():
+    """With bypass mode off, verl recomputes the sampled tokens' log-probs with the actor: with SD
+    on (the resumed drafter, after the resumed target's weight sync) the engine's log-probs still
+    match them."""
+    for step, m in runs["m2"].items():
         assert m["training/rollout_probs_diff_valid"] == 1.0
         assert m["training/rollout_probs_diff_max"] < 2e-3, (step, m["training/rollout_probs_diff_max"])
         assert m["training/rollout_actor_probs_pearson_corr"] > 0.999

@@ -1,16 +1,15 @@
-"""Feed the drafter's DataBuffer from verl 0.9.1's actor log-prob pass (tlt_verl.capture.verl_capture).
+"""Feed the drafter's DataBuffer from verl 0.9.1's actor update (tlt_verl.capture.verl_capture).
 
 Two wraps, both inert until capture is enabled in the process:
 
-- ``ActorRolloutRefWorker.compute_log_prob`` opens a capture pass (hooks on the actor's decoder)
-  around the stock method, unless the call asks for reference log-probs (``no_lora_adapter``).
-  The reference worker's ``compute_ref_log_prob`` and the training forward (``update_actor``) are
-  left alone, so they are never captured.
+- ``ActorRolloutRefWorker.update_actor`` opens a capture pass (hooks on the actor's decoder)
+  around the stock method, limited to the samples it was handed (its first epoch). The log-prob
+  and reference passes are left alone: TLT needs neither, so bypass mode may skip them.
 - ``FSDPEngineWithLMHead.prepare_model_outputs``, where the engine turns a forward's packed output
   into per-sample tensors, hands the same micro-batch and the engine's own un-padding to that pass.
 
-With capture off, ``compute_log_prob`` calls the stock method directly and
-``prepare_model_outputs`` returns the stock result after one dictionary lookup; no hook exists.
+With capture off, ``update_actor`` calls the stock method directly and ``prepare_model_outputs``
+returns the stock result after one dictionary lookup; no hook exists.
 """
 from __future__ import annotations
 
@@ -40,29 +39,29 @@ def apply() -> None:
 
 def patch_worker(mod) -> None:
     worker_cls = require_attr(mod, "ActorRolloutRefWorker", WHAT)
-    original = require_attr(worker_cls, "compute_log_prob", WHAT)
+    original = require_attr(worker_cls, "update_actor", WHAT)
     if getattr(original, _MARK, False):
         return
     if inspect.iscoroutinefunction(original):
-        raise PatchError(f"{WHAT}: {worker_cls.__name__}.compute_log_prob is async; the patch wraps a plain method")
+        raise PatchError(f"{WHAT}: {worker_cls.__name__}.update_actor is async; the patch wraps a plain method")
     from tlt_verl.capture import verl_batch, verl_capture
 
     @functools.wraps(original)  # keeps verl's dispatch metadata (register's MAGIC_ATTR)
-    def compute_log_prob(self, data, *args, **kwargs):
-        if not verl_capture.enabled() or getattr(self, "actor", None) is None or verl_batch.is_reference_pass(data):
+    def update_actor(self, data, *args, **kwargs):
+        if not verl_capture.enabled() or getattr(self, "actor", None) is None:
             return original(self, data, *args, **kwargs)
         engine = self.actor.engine
         if not getattr(getattr(type(engine), "prepare_model_outputs", None), _MARK, False):
             raise PatchError(f"{WHAT}: the actor engine {type(engine).__name__} is not an FSDP engine with an "
                              f"LM head; capture supports actor_rollout_ref.actor.strategy=fsdp/fsdp2")
-        capture = verl_capture.log_prob_pass(engine, engine.module)
+        capture = verl_capture.capture_pass(engine, engine.module, limit=verl_batch.sample_count(data))
         if capture is None:       # disabled since the check above
             return original(self, data, *args, **kwargs)
         with capture:
             return original(self, data, *args, **kwargs)
 
-    setattr(compute_log_prob, _MARK, True)
-    worker_cls.compute_log_prob = compute_log_prob
+    setattr(update_actor, _MARK, True)
+    worker_cls.update_actor = update_actor
 
 
 def patch_engine(mod) -> None:

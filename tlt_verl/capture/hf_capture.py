@@ -7,7 +7,7 @@ What is captured (the layer-id convention of ``tlt_verl.drafter.config``):
   token embedding), i.e. HF's ``hidden_states[k]``, concatenated in layer order.
 
 Both come back aligned token by token with ``input_ids``: row b, position t is the state the
-target computed at token t. The actor's log-prob pass produces the same tensors (it runs the same
+target computed at token t. The actor update's forward produces the same tensors (it runs the same
 forward), so a drafter trained on either sees one distribution.
 
 Only the base model runs: the LM head's [tokens x vocab] logits are never materialised, and aux

@@ -7,6 +7,8 @@ HF ``hidden_states[-1]``) and the residual stream entering each aux layer ``k`` 
 forward used ([1, packed tokens, H] or [B, S, H]); splitting them per sample is the caller's job.
 
 Hooks hold references to activations only until :meth:`HiddenStateHooks.take`; nothing is copied.
+They record only inside a forward of the whole decoder: under gradient checkpointing the backward
+pass re-runs each decoder layer (so the aux pre-hooks fire again) but not the decoder itself.
 """
 from __future__ import annotations
 
@@ -46,8 +48,10 @@ class HiddenStateHooks:
         self._final: torch.Tensor | None = None
         self._aux: dict[int, torch.Tensor] = {}
         self._handles: list = []
+        self._armed = False
 
     def __enter__(self) -> "HiddenStateHooks":
+        self._handles.append(self.decoder.register_forward_pre_hook(self._on_decoder_input))
         self._handles.append(self.decoder.register_forward_hook(self._on_decoder_output))
         for k in self.aux_layer_ids:
             self._handles.append(self.decoder.layers[k].register_forward_pre_hook(self._on_layer_input(k),
@@ -61,20 +65,25 @@ class HiddenStateHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._final, self._aux = None, {}
+        self._final, self._aux, self._armed = None, {}, False
 
     @property
     def pending(self) -> bool:
         """A forward ran whose states were not taken."""
         return self._final is not None or bool(self._aux)
 
+    def _on_decoder_input(self, *_):
+        self._armed = True
+
     def _on_decoder_output(self, _module, _args, output):
         hidden = getattr(output, "last_hidden_state", None)
         self._final = (output[0] if hidden is None else hidden).detach()
+        self._armed = False
 
     def _on_layer_input(self, k: int):
         def hook(_module, args, kwargs):
-            self._aux[k] = (args[0] if args else kwargs["hidden_states"]).detach()
+            if self._armed:
+                self._aux[k] = (args[0] if args else kwargs["hidden_states"]).detach()
         return hook
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,6 +1,6 @@
 """StagingBuffer: captured samples held for a drafter that lives in another process.
 
-The actor's log-prob pass captures in the actor's process; the drafter trains in a child process
+The actor update captures in the actor's process; the drafter trains in a child process
 (so that its death does not take the actor down). Capture adds here, and the drafter's host hands
 the staged samples over in one message before its next call, so the child's DataBuffer sees them
 in capture order and applies its own budget and eviction."""

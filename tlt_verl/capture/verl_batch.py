@@ -86,7 +86,7 @@ def step_tags(mb, n: int) -> list[int | None]:
     """The RL step of each sample.
 
     Trainer v1 stores the step whose dataloader batch a sample came from in its ``global_steps``
-    field. Trainer v0 gives the log-prob pass no step, only the version of the weights each
+    field. Trainer v0 gives the actor's passes no step, only the version of the weights each
     response was sampled with (``max_global_steps``, stamped by the rollout server when the
     trainer pushes weights): in v0's synchronous loop step s samples with the weights pushed at
     the end of step s - 1, hence the + 1."""
@@ -97,17 +97,15 @@ def step_tags(mb, n: int) -> list[int | None]:
     return [None] * n
 
 
-def is_reference_pass(data) -> bool:
-    """True when ``compute_log_prob`` is asked for reference log-probs: with a LoRA actor, verl
-    computes them on the actor with the adapter off (``no_lora_adapter``). ``data`` is a
-    TensorDict, or a transfer-queue batch handle whose ``extra_info`` becomes its non-tensor data."""
-    extra = getattr(data, "extra_info", None)
-    if isinstance(extra, dict):
-        return bool(extra.get("no_lora_adapter", False))
-    try:
-        return bool(tu.get_non_tensor_data(data, "no_lora_adapter", default=False))
-    except (AttributeError, TypeError):
-        return False
+def sample_count(data) -> int | None:
+    """How many samples a worker call was handed: ``data`` is a TensorDict, or a transfer-queue
+    batch handle (``KVBatchMeta``, one key per sample) that verl's bridge resolves inside the
+    method. None when neither."""
+    keys = getattr(data, "keys", None)
+    if isinstance(keys, list):
+        return len(keys)
+    shape = getattr(data, "batch_size", None)
+    return int(shape[0]) if shape is not None and len(shape) else None
 
 
 def unpad(t: torch.Tensor, *, packed: bool,

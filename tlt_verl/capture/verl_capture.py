@@ -1,16 +1,21 @@
-"""Target hidden states from verl's actor log-prob pass, into a DataBuffer in the same process.
+"""Target hidden states from verl's actor update, into a DataBuffer in the same process.
 
-The old log-prob pass already runs the target over every prompt + response of the RL step; hooks
-on the actor's decoder take the states a drafter needs from that forward instead of running
-another one. Each sample lands in the buffer exactly as the offline path (``hf_capture`` +
-``DataBuffer.add`` in ``drafter.warmup``) would store it: its prompt + response tokens, a loss mask
-that is True on the response tokens the policy generated, and the states at every one of those
-positions.
+The actor update already runs the target over every prompt + response of the RL step (its
+training forward); hooks on the actor's decoder take the states a drafter needs from that forward
+instead of running another one, so TLT needs no old log-prob pass and leaves
+``algorithm.rollout_correction.bypass_mode`` as the user set it. Each sample lands in the buffer
+exactly as the offline path (``hf_capture`` + ``DataBuffer.add`` in ``drafter.warmup``) would store
+it: its prompt + response tokens, a loss mask that is True on the response tokens the policy
+generated, and the states at every one of those positions.
+
+Only the update's first epoch is kept: each sample is captured once, from the weights the
+rollout sampled it with when the step has one mini-batch (later mini-batches see the weights the
+earlier ones moved, which the next rollout samples with anyway).
 
 Capture is off unless :func:`enable` was called in this process (a drafter worker colocated with
 the actor calls it); off, nothing is hooked and verl runs as shipped. ``patches.verl_capture``
-scopes it to ``ActorRolloutRefWorker.compute_log_prob`` of the actor (not the reference pass, not
-the training forward) and hands each micro-batch to :meth:`LogProbPass.collect`.
+scopes it to ``ActorRolloutRefWorker.update_actor`` (not the log-prob or reference passes) and
+hands each micro-batch to :meth:`CapturePass.collect`.
 
 Under Ulysses sequence parallelism every rank of a group sees the same samples and stores them:
 the buffers of one group are copies.
@@ -70,7 +75,7 @@ _lock = threading.Lock()
 _state: _Capture | None = None
 # The pass in flight, keyed by the engine whose forward it hooks: verl's ref and actor engines
 # share the process, and only the actor's may feed the buffer.
-_active: tuple[object, "LogProbPass"] | None = None
+_active: tuple[object, "CapturePass"] | None = None
 
 
 def enable(kind: str, aux_layer_ids: Sequence[int] = (), buffer_config: BufferConfig | None = None,
@@ -114,20 +119,22 @@ def stats() -> CaptureStats | None:
     return None if state is None else state.stats
 
 
-class LogProbPass:
-    """One actor log-prob pass: hooks on ``model`` while open, one :meth:`collect` per micro-batch."""
+class CapturePass:
+    """One actor update: hooks on ``model`` while open, one :meth:`collect` per micro-batch, for
+    the first ``limit`` samples (the update's first epoch; None: all)."""
 
-    def __init__(self, state: _Capture, engine: object, model: torch.nn.Module):
+    def __init__(self, state: _Capture, engine: object, model: torch.nn.Module, limit: int | None = None):
         self._state = state
         self._engine = engine
         self._hooks = HiddenStateHooks(model, state.cfg.aux_layer_ids if state.cfg.kind == "eagle3" else ())
+        self._left = limit
         state.stats.passes += 1
         self._pass_index = state.stats.passes
 
-    def __enter__(self) -> "LogProbPass":
+    def __enter__(self) -> "CapturePass":
         global _active
         if _active is not None:
-            raise RuntimeError("capture: a log-prob pass is already being captured in this process")
+            raise RuntimeError("capture: an actor update is already being captured in this process")
         self._hooks.__enter__()
         _active = (self._engine, self)
         return self
@@ -140,7 +147,7 @@ class LogProbPass:
         missed = self._hooks.pending
         self._hooks.remove()
         if missed and exc_type is None:
-            raise RuntimeError("capture: the actor ran a forward in compute_log_prob whose outputs did not go "
+            raise RuntimeError("capture: the actor ran a forward in update_actor whose outputs did not go "
                                "through FSDPEngineWithLMHead.prepare_model_outputs; nothing was captured for it")
 
     def collect(self, micro_batch, *, packed: bool,
@@ -148,6 +155,10 @@ class LogProbPass:
         """Add the samples of the forward that just ran on ``micro_batch``; returns how many."""
         final, aux = self._hooks.take()
         lay = layout(micro_batch)
+        if self._left is not None:
+            if self._left <= 0:          # a later epoch: these samples were captured already
+                return 0
+            self._left -= len(lay.lengths)
         steps = self._steps(lay)
         dtype = DTYPES[self._state.cfg.buffer.dtype]
 
@@ -175,18 +186,18 @@ class LogProbPass:
         if all(s is not None for s in lay.steps):
             return lay.steps
         if not self._state.warned_untagged:
-            log.warning("capture: the log-prob batch carries no step tag (global_steps / max_global_steps); "
+            log.warning("capture: the update batch carries no step tag (global_steps / max_global_steps); "
                         "tagging its samples with the number of captured passes (%d)", self._pass_index)
             self._state.warned_untagged = True
         return [self._pass_index if s is None else s for s in lay.steps]
 
 
-def log_prob_pass(engine: object, model: torch.nn.Module) -> LogProbPass | None:
+def capture_pass(engine: object, model: torch.nn.Module, limit: int | None = None) -> CapturePass | None:
     """A pass for the actor ``engine`` running ``model``, or None when capture is off."""
     state = _state
-    return None if state is None else LogProbPass(state, engine, model)
+    return None if state is None else CapturePass(state, engine, model, limit)
 
 
-def active_pass(engine: object) -> LogProbPass | None:
+def active_pass(engine: object) -> CapturePass | None:
     active = _active
     return active[1] if active is not None and active[0] is engine else None

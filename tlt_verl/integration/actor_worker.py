@@ -3,7 +3,7 @@
 The TLT trainer builds its actor worker group from this class instead of verl's
 `ActorRolloutRefWorker` (same resource pool, same ranks): each rank then hosts a drafter (a
 `DrafterService` in a child process, `DrafterProcess`: the drafter, its optimizer, its buffer
-shard), which the actor's own old log-prob pass fills through the capture hooks. The child is
+shard), which the actor's own update forward fills through the capture hooks. The child is
 what a crash or a SIGKILL of drafter training takes down, never the actor; it is restarted from
 the drafter's last checkpoint. The methods below are the drafter worker group's interface; the
 coordinator calls the session ones on single workers, the rest go to every rank.

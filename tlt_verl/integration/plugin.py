@@ -1,7 +1,7 @@
 """The `verl.plugins` entry point: verl imports this in every process, Ray workers included.
 
 It picks the CPU platform on a CPU-only torch build, registers the tlt_vllm rollout backend,
-installs the start-up checks, and arms hidden-state capture in the actor's log-prob pass (inert
+installs the start-up checks, and arms hidden-state capture in the actor's update (inert
 until a drafter worker enables it in its process). verl swallows exceptions raised by plugins,
 so a patch that does not fit the installed versions stops the process here with its one-line
 reason.

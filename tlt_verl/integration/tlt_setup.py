@@ -4,8 +4,8 @@ Runs in the driver with verl's other start-up checks, before anything starts. Wi
 off (or no `tlt:` block) the config is left exactly as it is. With it on:
 
 - `trainer.v1.trainer_mode` becomes `tlt` (the stock `sync` trainer plus the drafter hooks);
-- `algorithm.rollout_correction.bypass_mode` is turned off: the drafter's hidden states come
-  from the actor's old log-prob pass, which bypass mode skips;
+- `algorithm.rollout_correction.bypass_mode` stays as the user set it: the drafter's hidden
+  states come from the actor update's forward, which every step runs;
 - the initial drafter (an exported EAGLE folder, or a random one written under the run's
   checkpoint folder) is checked against the target and handed to the rollout servers
   (`actor_rollout_ref.rollout.custom.tlt_sd`) with the SD policy settings.
@@ -91,7 +91,6 @@ def check_tlt(config) -> None:
 
     with open_dict(config):
         config.trainer.v1.trainer_mode = "tlt"
-        OmegaConf.update(config, "algorithm.rollout_correction.bypass_mode", False, merge=False)
         tlt_sd = {"drafter": str(folder), "method": d.kind, "policy": _policy_dict(tlt)}
         OmegaConf.update(config, "actor_rollout_ref.rollout.custom", {**dict(custom), "tlt_sd": tlt_sd}, merge=False)
 

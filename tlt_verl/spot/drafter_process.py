@@ -3,13 +3,13 @@
 Drafter training runs beside verl's actor on cores the long tail left idle; if it crashes (or is
 killed: OOM, a SIGKILL from an operator) the RL run must not. So the actor worker hosts this
 proxy, and the service itself, with its optimizer, trainer thread and buffer, lives in a spawned
-child. Capture still happens in the actor's log-prob pass, into a ``StagingBuffer`` here; staged
+child. Capture still happens in the actor's update forward, into a ``StagingBuffer`` here; staged
 samples go to the child in one message before each call.
 
 When the child dies the proxy says so once (a warning, ``restarts`` in the metrics), answers the
 session's ``stop`` at once with the death as its error, and starts a new child in the background.
 The new one resumes from the last checkpoint this proxy saved or loaded (training since then is
-lost, nothing older; in-memory samples are not checkpointed, and the next log-prob pass refills
+lost, nothing older; in-memory samples are not checkpointed, and the next actor update refills
 the buffer) and gets the latest target tensors; calls wait for it. verl's
 own checkpoints are untouched: the drafter's were written whole before verl marked the step.
 
@@ -94,8 +94,16 @@ class _Died(Exception):
         self.generation = generation
 
 
-# The largest add_samples message (see DrafterProcess._call).
+# The largest add_samples message (see DrafterProcess._call): 64 MiB, and at most a quarter of
+# the staging budget, so that the message (whose torch.save buffer grows by doubling) adds at most
+# about half a budget to the budget already staged.
 STAGE_MESSAGE_BYTES = 64 << 20
+
+
+def stage_message_bytes(budget_bytes: int | None) -> int:
+    if budget_bytes is None:
+        return STAGE_MESSAGE_BYTES
+    return max(1 << 20, min(STAGE_MESSAGE_BYTES, budget_bytes // 4))
 
 
 def _same(held: torch.Tensor, new: torch.Tensor) -> bool:
@@ -106,7 +114,7 @@ class DrafterProcess:
     def __init__(self, target_dir: str, cfg: DrafterServiceConfig, core: Optional[int] = None,
                  start_timeout_s: float = 300.0):
         """Start the child (and wait until its service is built: a bad ``cfg`` fails here) and
-        capture this process's actor log-prob pass into the staging buffer."""
+        capture this process's actor update into the staging buffer."""
         from tlt_verl.capture import verl_capture
 
         self.cfg, self._target_dir, self._core = cfg, str(target_dir), core
@@ -202,9 +210,9 @@ class DrafterProcess:
             if self._failure is not None:
                 raise DrafterProcessError(f"drafter process: restart failed: {self._failure}")
             try:
-                # In messages of at most STAGE_MESSAGE_BYTES: a message is pickled whole, so one
+                # In messages of at most stage_message_bytes(): a message is pickled whole, so one
                 # step's states in one message would double them on the host for a moment.
-                while staged := self.staging.take(STAGE_MESSAGE_BYTES):
+                while staged := self.staging.take(stage_message_bytes(self.staging.budget_bytes)):
                     self._rpc("add_samples", staged)
                 return self._rpc(name, *args, **kwargs)
             except _Died as e:

@@ -2,7 +2,7 @@
 
 One service per process. It owns the drafter (bound to the target's frozen embedding / LM head),
 its optimizer and trainer, and the process-local DataBuffer that ``verl_capture`` fills from the
-actor's old-log-prob pass. The coordinator drives it:
+actor's update forward. The coordinator drives it:
 
     start_session(id, rank, size, host, port, source_rank)   join a group of the idle ranks,
                                                              adopt the source member's state,
@@ -143,7 +143,7 @@ def _session_stats(session_id: str, rank: int, size: int, source_rank: int) -> d
 
 class DrafterService:
     def __init__(self, target_dir: str, cfg: DrafterServiceConfig | None = None, capture: bool = True):
-        """``capture``: fill the buffer from this process's actor log-prob pass (verl_capture);
+        """``capture``: fill the buffer from this process's actor update (verl_capture);
         False: the buffer is filled through ``add_samples`` (a service hosted in a child process)."""
         from transformers import AutoConfig
 
