@@ -54,15 +54,12 @@ async def run_engines(args) -> dict:
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from tlt_verl.rollout.engine.replica import engine_env
+    from tlt_verl.rollout.engine.offline import use_engine_env
     from tlt_verl.rollout.engine.sd_loop import AdaptiveSDLoop, summarize
     from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
     from tlt_verl.rollout.policy import AdaptiveSDPolicy, BanditConfig, SDPolicyConfig
 
-    for key, value in engine_env(0).items():
-        os.environ.setdefault(key, value)
-        if key.endswith(("_PATH", "_ROOT")):
-            os.makedirs(value, exist_ok=True)
+    use_engine_env()
     arms = tuple(args.arms)
     max_k = max(arms)
     base = dict(model=args.target, skip_tokenizer_init=True, dtype="float32", enforce_eager=not args.compile,

@@ -133,12 +133,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # The engine's workers in a process of their own, as in a rollout replica.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    from tlt_verl.rollout.engine.replica import engine_env
+    from tlt_verl.rollout.engine.offline import use_engine_env
 
-    for key, value in engine_env(0).items():
-        os.environ.setdefault(key, value)
-        if key.endswith(("_PATH", "_ROOT")):
-            os.makedirs(value, exist_ok=True)
+    use_engine_env()
     t0 = time.time()
     res = asyncio.run(_run(args))
     bucket = res["bucket_bytes"]

@@ -185,13 +185,10 @@ async def _scenario(target: str, drafter: str, random_drafter: str, bad: dict[st
 
     from tlt_verl.rollout.engine import sd_control
     from tlt_verl.rollout.engine.drafter_push import DrafterManifest, push_drafter_async
-    from tlt_verl.rollout.engine.replica import engine_env
+    from tlt_verl.rollout.engine.offline import use_engine_env
     from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
 
-    for key, value in engine_env(0).items():
-        os.environ.setdefault(key, value)
-        if key.endswith(("_PATH", "_ROOT")):
-            os.makedirs(value, exist_ok=True)
+    use_engine_env()
     spec = {"method": "eagle", "model": drafter, "num_speculative_tokens": K,
             "num_speculative_tokens_per_batch_size": [[1, MAX_SEQS, K]]}
     t0 = time.time()

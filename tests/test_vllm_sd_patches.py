@@ -7,8 +7,14 @@ distort), its 128-token vocabulary keeps the chi-square cells populated, and it 
 assets. The drafter proposes the target's bigram guess, accepted about 35-45% of the time, so
 the rejection sampler both accepts and resamples.
 
+Every path on which the engine can change how it drafts is sampled at T=1 as well (`SWITCHING`):
+k changing mid-request as the batch shrinks, SD switching off -> on and on -> off mid-request,
+and a drafter hot-swap during generation. Each is checked with a chi-square on the probability
+integral transform of every verified token (each token at its own, fixed, context) and the
+log-prob vs entropy statistic.
+
 The engine runs in a subprocess (this file's __main__), once with the fixes and once with the
-temperature fix switched off, which must fail the same statistics. The run with the fixes starts
+temperature fix switched off, which must fail the same statistics on every path. The run with the fixes starts
 vLLM's engine core and worker as separate (spawned) processes, as the rollout server does, so it
 also shows that the plugin is loaded there.
 """
@@ -43,6 +49,24 @@ CHI2_TOKENS = 2
 MAX_NUM_SEQS = 1024  # large batches: per-request overhead dominates on this tiny model
 Z_LIMIT = 3.0
 ALPHA = 1e-3
+# The switching paths: SWITCH_REQUESTS requests of 5..37 tokens (21,500 generated, 20,475 of them
+# after the first) in one batch, so the running batch shrinks through SWITCH_AT while the longer
+# ones decode: about 12,000 tokens come before the switch and 9,000 after it (with the switch at
+# 32 only the last few hundred came after it, too few for the negative control to tell).
+# Schedules: (first batch size, last batch size, k).
+SWITCH_REQUESTS = 1024
+SWITCH_AT = 768
+SWITCHING = {
+    "k_changes": [[1, SWITCH_AT, K], [SWITCH_AT + 1, MAX_NUM_SEQS, 1]],
+    "off_to_on": [[1, SWITCH_AT, K], [SWITCH_AT + 1, MAX_NUM_SEQS, 0]],
+    "on_to_off": [[1, SWITCH_AT, 0], [SWITCH_AT + 1, MAX_NUM_SEQS, K]],
+    "hot_swap": [[1, MAX_NUM_SEQS, K]],     # and the other drafter pushed mid-generation
+}
+PIT_BINS = 20
+
+
+def _switch_lengths() -> list[int]:
+    return [5 + i % 33 for i in range(SWITCH_REQUESTS)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,14 +135,81 @@ def run_engine(target: str, drafter: str | None, reference_greedy: bool) -> dict
     return result
 
 
+async def run_switching(target: str, drafter: str, other_drafter: str) -> dict:
+    """The SWITCHING paths at T=1 on the rollout server's engine (AsyncLLM, TLT's worker
+    extension, a run-time schedule), one phase each; what each step drafted comes back too."""
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from tlt_verl.rollout.engine import sd_control
+    from tlt_verl.rollout.engine.drafter_push import DrafterManifest, push_drafter_async
+    from tlt_verl.rollout.engine.offline import use_engine_env
+    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
+
+    use_engine_env()
+    spec = {"method": "eagle", "model": drafter, "num_speculative_tokens": K,
+            "num_speculative_tokens_per_batch_size": [[1, MAX_NUM_SEQS, K]]}
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0, max_model_len=64,
+        max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=max(16384, MAX_NUM_SEQS * (PROMPT_LEN + K + 2)),
+        kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES, speculative_config=spec, disable_log_stats=False,
+        worker_extension_cls="tlt_verl.rollout.engine.worker_extension.TLTWorkerExtension"))
+    prompts = [p for p in _prompts() for _ in range(SWITCH_REQUESTS // N_PROMPTS)]
+    lengths = _switch_lengths()
+    out: dict = {}
+    seed = 10_000_000
+
+    async def one(name, i, progress):
+        sp = SamplingParams(temperature=1.0, max_tokens=lengths[i], ignore_eos=True, detokenize=False,
+                            seed=seed + i)
+        final = None
+        async for o in engine.generate(TokensPrompt(prompt_token_ids=prompts[i]), sp, f"{name}-{i}"):
+            final = o
+            progress[i] = len(o.outputs[0].token_ids)
+        return list(final.outputs[0].token_ids)
+
+    try:
+        await sd_control.take_sd_metrics_async(engine)
+        manifest = DrafterManifest.from_folder(drafter)
+        for name, schedule in SWITCHING.items():
+            await sd_control.set_sd_schedule_async(engine, schedule)
+            progress = [0] * len(prompts)
+            tasks = [asyncio.create_task(one(name, i, progress)) for i in range(len(prompts))]
+            phase = {"prompts": prompts}
+            if name == "hot_swap":
+                while max(progress) < 4:          # every request prefilled, several decoding
+                    await asyncio.sleep(0.002)
+                await push_drafter_async(engine, manifest, os.path.join(other_drafter, "model.safetensors"))
+                phase["progress_at_push"] = list(progress)
+            phase["tokens"] = await asyncio.gather(*tasks)
+            phase["steps"] = [[m.batch, m.k, m.drafted_reqs] for m in await sd_control.take_sd_metrics_async(engine)]
+            out[name] = phase
+            seed += len(prompts)
+            if name == "hot_swap":
+                await push_drafter_async(engine, manifest, os.path.join(drafter, "model.safetensors"))
+    finally:
+        engine.shutdown()
+    return out
+
+
 def _main(argv=None):
+    import asyncio
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafter", required=True)
+    ap.add_argument("--other-drafter", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--reference-greedy", action="store_true")
     args = ap.parse_args(argv)
     result = run_engine(args.target, args.drafter, args.reference_greedy)
+    t = time.time()
+    result["switching"] = asyncio.run(run_switching(args.target, args.drafter, args.other_drafter))
+    result["timings"]["switching"] = time.time() - t
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -160,6 +251,52 @@ def mean_logprob_statistic(exact: Exact, sample: dict, temperature: float) -> di
     return {"mean": mean, "se": se, "z": mean / se, "mean_entropy": float(entropy.mean()), "tokens": n_tok}
 
 
+def _gammaincc_p(stat: float, dof: int) -> float:
+    import torch
+
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def pit_statistic(exact: Exact, sample: dict, temperature: float, seed: int = 0) -> dict:
+    """Chi-square of the randomised probability integral transform of every generated token but
+    the first (the first comes from the prefill, without a draft), plus the log-prob vs entropy z.
+
+    For a token x drawn from p(. | its context), with the vocabulary in descending order of p
+    (a function of the context alone), u = P(before x) + V p(x), V ~ U(0, 1), is uniform given the
+    context, and the u of one sequence are independent: under exact sampling all of them are
+    i.i.d. U(0, 1), whatever the contexts. A sampler that sharpens or flattens p moves u towards
+    0 or 1. Sequences of unequal length are scored in groups of one length."""
+    torch = exact.torch
+    g = torch.Generator().manual_seed(seed)
+    by_len: dict[int, list[int]] = {}
+    for i, t in enumerate(sample["tokens"]):
+        by_len.setdefault(len(t), []).append(i)
+    us, ds, per_seq = [], [], []
+    for n, idx in sorted(by_len.items()):
+        if n < 2:
+            continue
+        seqs = [sample["prompts"][i] + sample["tokens"][i] for i in idx]
+        lp = exact.log_probs(seqs, temperature)[:, PROMPT_LEN:]        # predicts tokens 2..n
+        nxt = torch.tensor([sample["tokens"][i][1:] for i in idx])
+        p = lp.exp()
+        sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)
+        rank = torch.argsort(order, dim=-1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+        before = (sorted_p.cumsum(-1) - sorted_p).gather(-1, rank.unsqueeze(-1)).squeeze(-1)
+        px = p.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+        us.append((before + torch.rand(px.shape, generator=g, dtype=torch.float64) * px).flatten())
+        d = lp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1) - (p * lp).sum(-1)
+        ds.append(d.flatten())
+        per_seq.append(d.sum(1))
+    u, d, per_seq = torch.cat(us), torch.cat(ds), torch.cat(per_seq)
+    counts = torch.bincount((u.clamp(0, 1 - 1e-12) * PIT_BINS).long(), minlength=PIT_BINS).double()
+    expected = len(u) / PIT_BINS
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    mean, se = float(d.mean()), float(per_seq.std() * len(per_seq) ** 0.5 / len(d))
+    return {"samples": len(u), "chi2": stat, "dof": PIT_BINS - 1, "p_value": _gammaincc_p(stat, PIT_BINS - 1),
+            "mean_u": float(u.mean()), "logprob_z": mean / se}
+
+
 def chi2_statistic(exact: Exact, sample: dict, temperature: float) -> dict:
     """Pearson chi-square of the first two generated tokens against p(t1) p(t2 | t1).
 
@@ -182,9 +319,7 @@ def chi2_statistic(exact: Exact, sample: dict, temperature: float) -> dict:
     exp_ = torch.cat([expected[big], expected[~big].sum()[None]])
     stat = float(((obs - exp_) ** 2 / exp_).sum())
     dof = int(big.sum())  # cells (big + pooled) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                            torch.tensor(stat / 2.0, dtype=torch.float64)))
-    return {"chi2": stat, "dof": dof, "p_value": p_value, "samples": int(n)}
+    return {"chi2": stat, "dof": dof, "p_value": _gammaincc_p(stat, dof), "samples": int(n)}
 
 
 def acceptance(counters: dict) -> dict:
@@ -199,6 +334,8 @@ def statistics(exact: Exact, result: dict) -> dict:
     stats = {f"logprob_{t}": mean_logprob_statistic(exact, result[f"sampled_{t}"], t) for t in TEMPERATURES}
     stats["chi2"] = chi2_statistic(exact, result["chi2"], CHI2_TEMPERATURE)
     stats["acceptance"] = {name: acceptance(c) for name, c in result["counters"].items()}
+    stats["switching"] = {name: pit_statistic(exact, phase, 1.0, seed=i)
+                          for i, (name, phase) in enumerate(result["switching"].items())}
     return stats
 
 
@@ -211,11 +348,12 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sd_models")
     target = write_target(str(root / "target"))
-    return target, write_eagle1_drafter(target, str(root / "drafter"), bigram=True)
+    return (target, write_eagle1_drafter(target, str(root / "drafter"), bigram=True),
+            write_eagle1_drafter(target, str(root / "random_drafter"), bigram=False))
 
 
 def _run(models, tmp_path, env_extra=None, reference_greedy=False):
-    target, drafter = models
+    target, drafter, other = models
     out = tmp_path / "result.json"
     scratch = tmp_path / "scratch"
     (scratch / "tmp").mkdir(parents=True)
@@ -223,7 +361,8 @@ def _run(models, tmp_path, env_extra=None, reference_greedy=False):
 
     env = {k: v for k, v in os.environ.items() if k != DISABLE_TEMPERATURE_FIX}
     env.update(TLT_SCRATCH=str(scratch), TMPDIR=str(scratch / "tmp"), PYTHONUNBUFFERED="1", **(env_extra or {}))
-    cmd = [sys.executable, __file__, "--target", target, "--drafter", drafter, "--out", str(out)]
+    cmd = [sys.executable, __file__, "--target", target, "--drafter", drafter, "--other-drafter", other,
+           "--out", str(out)]
     t0 = time.time()
     proc = subprocess.run(cmd + (["--reference-greedy"] if reference_greedy else []), env=env,
                           capture_output=True, text=True, timeout=900)
@@ -249,7 +388,9 @@ def fixed(models, tmp_path_factory, exact):
 def unfixed(models, tmp_path_factory, exact):
     from tlt_verl.patches.vllm_sd import DISABLE_TEMPERATURE_FIX
 
-    result = _run(models, tmp_path_factory.mktemp("sd_unfixed"), env_extra={DISABLE_TEMPERATURE_FIX: "1"})
+    # The positive run's engines, the fix off: nothing else differs in what is sampled.
+    result = _run(models, tmp_path_factory.mktemp("sd_unfixed"),
+                  env_extra={DISABLE_TEMPERATURE_FIX: "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     return result, statistics(exact, result)
 
 
@@ -293,6 +434,37 @@ def test_chi_square_does_not_reject_exact_distribution(fixed):
     s = fixed[1]["chi2"]
     assert s["samples"] >= 20_000
     assert s["p_value"] > ALPHA, s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(SWITCHING))
+def test_switching_paths_sample_exactly(fixed, path):
+    """At T=1, on each path on which the engine changes how it drafts mid-request."""
+    result, stats = fixed
+    s, phase = stats["switching"][path], result["switching"][path]
+    assert s["samples"] >= 20_000
+    assert s["p_value"] > ALPHA and abs(s["logprob_z"]) < Z_LIMIT, s
+    # The path was taken: what the steps drafted, by running batch size.
+    ks = {(batch <= SWITCH_AT, k) for batch, k, _ in phase["steps"]}
+    lo, hi = SWITCHING[path][0][2], SWITCHING[path][-1][2]
+    assert {(True, lo), (False, hi)} <= ks, sorted(ks)
+    # Both sides of the switch carry a good share of the decoding (request-steps).
+    after = sum(batch for batch, _, _ in phase["steps"] if batch <= SWITCH_AT)
+    assert 0.25 <= after / sum(batch for batch, _, _ in phase["steps"]) <= 0.75
+    if path == "hot_swap":
+        # Pushed while nearly every request was still decoding.
+        unfinished = sum(p < n for p, n in zip(phase["progress_at_push"], _switch_lengths()))
+        assert unfinished >= 0.9 * SWITCH_REQUESTS, unfinished
+    elif path == "k_changes":
+        assert any(drafted for batch, k, drafted in phase["steps"] if k == 1)
+
+
+@pytest.mark.slow
+def test_switching_paths_reject_without_temperature_fix(unfixed):
+    """The negative control of every path: the same run with the temperature fix off."""
+    _, stats = unfixed
+    for path, s in stats["switching"].items():
+        assert s["p_value"] < ALPHA, (path, s)
 
 
 @pytest.mark.slow

@@ -6,6 +6,23 @@ import os
 from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
 
 
+def _make_dirs(env: dict) -> None:
+    for key in env:
+        if key.endswith(("_PATH", "_ROOT")):
+            os.makedirs(os.environ[key], exist_ok=True)
+
+
+def use_engine_env() -> None:
+    """This host's engine environment in this process, for good (a value already set wins): for
+    a process of its own that builds an `AsyncLLM` itself (benchmarks, test children)."""
+    from tlt_verl.rollout.engine.replica import engine_env
+
+    env = engine_env(0)
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    _make_dirs(env)
+
+
 def offline_llm(model: str, **engine_kwargs):
     """The engine, built with this host's engine environment (a value the caller set wins). The
     environment is the caller's again once the engine is built: the engine reads it while it
@@ -17,9 +34,7 @@ def offline_llm(model: str, **engine_kwargs):
     added = [key for key in env if key not in os.environ]
     for key in added:
         os.environ[key] = env[key]
-    for key, value in env.items():
-        if key.endswith(("_PATH", "_ROOT")):
-            os.makedirs(os.environ[key], exist_ok=True)
+    _make_dirs(env)
     try:
         from vllm import LLM
 
