@@ -28,7 +28,7 @@ def cfg(**kw):
 
 
 def capture_into_this_process(target, n, seed, step):
-    """What the actor's log-prob pass does: add to whatever capture sink this process has."""
+    """What the actor update's capture does: add to whatever capture sink this process has."""
     sink = verl_capture.buffer()
     for r in captured_records(target, n, VOCAB, seed=seed, lengths=(20, 40)):
         sink.add(step, r["input_ids"], r["loss_mask"], r["final_hidden"], r["aux_hidden"])
@@ -93,7 +93,7 @@ def test_the_child_trains_on_captured_samples_and_comes_back_from_a_sigkill(targ
         assert stats["state_version"] == 0 and stats["steps"] == 0
 
         # The new child holds the checkpointed drafter (training since then is lost, nothing
-        # older). In-memory samples are not checkpointed: the next log-prob pass refills the buffer.
+        # older). In-memory samples are not checkpointed: the next actor update refills the buffer.
         assert proc.state_version == saved_version
         assert proc.pid != dead and proc.restarts == 1
         # ... and the target tensors handed in before the kill, not the target folder's.
