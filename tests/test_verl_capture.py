@@ -144,7 +144,8 @@ def test_hooks_only_while_capturing(result):
     # Two epochs of several micro-batches each; gradient checkpointing re-runs the decoder's
     # layers in the backward pass, not the decoder, so only the forwards are counted here.
     assert forwards >= 4 and result["hooks_off"] == [stock] * forwards
-    assert result["hooks_on"] == [stock + 2 + len(result["aux_layer_ids"])] * forwards
+    # Hooked in the first epoch only: the second runs as stock verl does.
+    assert result["hooks_on"] == [stock + 2 + len(result["aux_layer_ids"])] * (forwards // 2) + [stock] * (forwards // 2)
     assert result["hooks_after_on"] == stock                             # removed after the pass
     assert result["hooks_off_again"] == [stock] * (forwards // 2) and result["hooks_after_off"] == stock
     assert result["disabled_returns_buffer"]

@@ -153,12 +153,15 @@ class CapturePass:
     def collect(self, micro_batch, *, packed: bool,
                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
         """Add the samples of the forward that just ran on ``micro_batch``; returns how many."""
+        if self._left is not None and self._left <= 0:
+            return 0                     # a later epoch: captured already, and no hook ran
         final, aux = self._hooks.take()
         lay = layout(micro_batch)
         if self._left is not None:
-            if self._left <= 0:          # a later epoch: these samples were captured already
-                return 0
             self._left -= len(lay.lengths)
+            if self._left <= 0:
+                # The first epoch is in: the later ones run as stock verl does, without hooks.
+                self._hooks.remove()
         steps = self._steps(lay)
         dtype = DTYPES[self._state.cfg.buffer.dtype]
 
