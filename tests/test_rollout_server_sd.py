@@ -128,6 +128,23 @@ async def _scenario(spec: dict) -> dict:
         res["awake"] = server.lifecycle_state()
         res["sha_restored"] = await checksum("drafter")
         res["idle_polling"] = server.sd_loop.running
+        # SD off at every batch size, the engine driven directly (the policy's loop stays idle): no
+        # step runs the drafter, each keeps what the drafter would have read, and a sleep drops it.
+        from vllm import SamplingParams, TokensPrompt
+
+        async def drain(i):
+            sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True, detokenize=False)
+            async for _ in server.engine.generate(TokensPrompt(prompt_token_ids=prompts[i]), sp, f"off-{i}"):
+                pass
+
+        await server.set_sd_schedule([[1, MAX_SEQS, 0]])
+        res["catch_up_start"] = await server.sd_catch_up_stats()
+        res["off_metrics"] = await server.take_sd_metrics()
+        await asyncio.gather(*(drain(i) for i in range(len(prompts))))
+        res["off_metrics"] = await server.take_sd_metrics()
+        res["catch_up_before_sleep"] = await server.sd_catch_up_stats()
+        await server.sleep()
+        res["catch_up_after_sleep"] = await server.sd_catch_up_stats()
     finally:
         server.shutdown()
     return res
@@ -206,6 +223,18 @@ def test_sleeping_server_refuses_generate_reload_and_push(scenario):
     # Weights woken, KV cache not yet: still no generate.
     assert "kv_cache released" in scenario["half_awake_generate"]
     assert scenario["awake"] == {"released": [], "drafter_lost": False, "drafter_restores": 1}
+
+
+@pytest.mark.slow
+def test_sd_off_runs_no_drafter_and_sleep_drops_what_it_kept(scenario):
+    start, before, after = scenario["catch_up_start"], scenario["catch_up_before_sleep"], scenario["catch_up_after_sleep"]
+    steps = scenario["off_metrics"]
+    assert steps and all(m["k"] == 0 and m["draft_tokens"] == 0 for m in steps)
+    # Every step of the all-off rollout skipped the drafter and kept its inputs: each prompt
+    # token and each decoded position but the last (which no step read as input).
+    assert before["skipped_steps"] - start["skipped_steps"] == len(steps)
+    assert before["pending_rows"] == 8 * len(MAX_TOKENS) + sum(n - 1 for n in MAX_TOKENS)
+    assert after["pending_rows"] == 0 and after["skipped_steps"] == before["skipped_steps"]
 
 
 @pytest.mark.slow

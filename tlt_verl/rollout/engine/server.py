@@ -247,6 +247,10 @@ class VllmServer:
         await self.sd_loop.poll()
         return {**summarize(self.sd_loop.take_records()), "arms": self.sd_loop.arms()}
 
+    async def sd_catch_up_stats(self) -> dict[str, int]:
+        """Steps that skipped the drafter (SD off), rows caught up and still kept (patches/vllm_sd/catch_up.py)."""
+        return (await self.engine.collective_rpc("tlt_sd_catch_up_stats"))[0] if self._serves_drafter() else {}
+
     def sd_policy_state(self) -> Optional[dict[str, Any]]:
         return None if self.sd_loop is None else self.sd_loop.policy.state_dict()
 
@@ -335,6 +339,10 @@ class VllmServer:
         if not self.config.free_cache_engine or self._released == set(SLEEP_TAGS):
             return
         await self.engine.reset_prefix_cache()
+        if self._serves_drafter():
+            # The drafter inputs kept while SD was off live outside the memory a sleep frees: drop
+            # them on every platform, so that the CPU tests run what a GPU sleep needs.
+            await self.engine.collective_rpc("tlt_release_sd_catch_up")
         if self._sleeps_engine():
             await self.engine.sleep(level=SLEEP_LEVEL)
         self._released = set(SLEEP_TAGS)

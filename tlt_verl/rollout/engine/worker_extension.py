@@ -19,6 +19,7 @@ from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedW
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
 from tlt_verl.patches._guard import require_attr
+from tlt_verl.patches.vllm_sd import catch_up
 from tlt_verl.rollout.engine.drafter_reload import DrafterExtension
 
 WHAT = "target weight sync"
@@ -55,3 +56,9 @@ class TLTWorkerExtension(DrafterExtension, vLLMColocateWorkerExtension):
         finally:
             # Layers that received nothing get their previous kernel tensors back.
             finalize(model, self.model_runner.model_config)
+
+    def tlt_release_sd_catch_up(self) -> dict:
+        return catch_up.release(self.model_runner)
+
+    def tlt_sd_catch_up_stats(self) -> dict:
+        return catch_up.stats(self.model_runner)
