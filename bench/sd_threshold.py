@@ -12,8 +12,8 @@ measured batch size up to which some k pays (for every smaller size too).
 
 Two engines: one without SD, one with SD (num_speculative_tokens = max k) whose k is changed at
 run time through the engine core (patches/vllm_sd/runtime.py); its k=0 row is "SD configured but
-off", which still runs the drafter's first forward each step (vLLM keeps the drafter's KV cache
-in step for when k comes back). Step times are medians of the engine's own per-step records,
+off", which since patches/vllm_sd/catch_up.py runs no drafter (bench/sd_off_cost.py measures it
+against plain decoding on its own). Step times are medians of the engine's own per-step records,
 decode steps only.
 
 `--drafter DIR` measures an exported (e.g. warmed-up) drafter instead, and `--prompts task` feeds
@@ -139,6 +139,26 @@ def analyse(plain, sd, acceptance_rates) -> dict:
     return out
 
 
+def measured(plain, sd) -> dict:
+    """With a real drafter: each size's best measured SD throughput (acceptance included) over
+    plain decoding's, and the largest size up to which SD pays at every size."""
+    t_plain = {r["batch"]: r["decode_tok_s"] for r in plain}
+    best = {}
+    for r in sd:
+        if r["k"] and (r["batch"] not in best or r["decode_tok_s"] > best[r["batch"]]["decode_tok_s"]):
+            best[r["batch"]] = r
+    speedup = {b: best[b]["decode_tok_s"] / t_plain[b] for b in sorted(t_plain)}
+    threshold = 0
+    for b, x in speedup.items():
+        if x <= 1:
+            break
+        threshold = b
+    return {"threshold": threshold, "speedup": {str(b): x for b, x in speedup.items()},
+            "best_k": {str(b): best[b]["k"] for b in speedup},
+            "k0_over_plain_step": {str(r["batch"]): r["decode_step_ms"] / {p["batch"]: p["decode_step_ms"] for p in plain}[r["batch"]]
+                                   for r in sd if r["k"] == 0}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "bench/results/sd_threshold.json"))
@@ -200,11 +220,15 @@ def main(argv=None) -> int:
         "drafter": portable(args.drafter) if args.drafter else "random EAGLE-1 (tlt_verl.drafter, seed 0)",
         "args": portable_settings(vars(args)), "seconds": time.time() - t0, "plain": plain, "sd": sd,
         **analyse(plain, sd, rates),
+        **({"measured": measured(plain, sd)} if args.drafter else {}),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for a, t in result["threshold"].items():
         print(f"acceptance {a}: threshold {t['threshold']}, best k {t['best_k']}")
+    if args.drafter:
+        m = result["measured"]
+        print(f"measured: threshold {m['threshold']}, speed-up {json.dumps({b: round(x, 2) for b, x in m['speedup'].items()})}")
     return 0
 
 

@@ -53,7 +53,7 @@ def test_bandit_deterministic_under_seed():
 
 
 def test_bandit_converges_to_best_arm_per_bucket():
-    bandit = BucketedEpsilonGreedy(BanditConfig(seed=0))
+    bandit = BucketedEpsilonGreedy(BanditConfig(seed=0, bucket_edges=(1, 2, 4, 8, 16)))
     # Small batches favour long drafts, large ones no SD: the buckets must learn separately.
     best = {0: 3, 4: 0}
     for bucket, k_best in best.items():

@@ -188,7 +188,7 @@ def test_policy_loop_learns_from_engine_steps(scenario):
     # Small buckets (the tail) were pulled, and more than one arm was tried in one of them.
     assert sum(map(sum, counts)) >= 4, counts
     assert max(sum(1 for n in row if n) for row in counts) >= 2, counts
-    assert set(s["arms"]) == {"1", "2", "4", "8", "16"}
+    assert set(s["arms"]) == {"1", "2", "4", "8"}
     assert not scenario["idle_polling"]
 
 

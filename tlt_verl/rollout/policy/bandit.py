@@ -24,7 +24,7 @@ from typing import Any, Optional
 @dataclass(frozen=True)
 class BanditConfig:
     # Bucket i covers batch sizes [bucket_edges[i], bucket_edges[i+1] - 1]; the last is open.
-    bucket_edges: tuple[int, ...] = (1, 2, 4, 8, 16)
+    bucket_edges: tuple[int, ...] = (1, 2, 4, 8)
     # Speculative tokens per arm; every bucket gets all of them.
     arms: tuple[int, ...] = (0, 1, 2, 3)
     epsilon: float = 0.3

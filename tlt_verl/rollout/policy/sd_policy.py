@@ -21,16 +21,14 @@ from typing import Any, Iterable, Mapping
 
 from tlt_verl.rollout.policy.bandit import BanditConfig, BucketedEpsilonGreedy
 
-# Running batch above which SD is off. Two measurements on this 2-core box:
-# - bench/sd_threshold.py (random drafter, cost side): plain decoding 4.2 ms a step at batch 1 to
-#   9.3 ms at 64; EAGLE-1 with k=3 6.3 to 29.5 ms; modelled with a per-token acceptance of 0.7-0.8
-#   (what the trained drafters reach) SD pays up to batch 64, the largest measured.
-# - bench/longtail_rollout.py (trained drafter, real long-tail rollouts): fixed k=2..3 decodes
-#   faster than plain in every batch-size bin up to 64, while k=0 *in an SD engine* is the slowest
-#   option everywhere (vLLM 0.30 still runs the drafter's first forward to keep its KV cache).
-# So "off" costs more than SD up to 64: the threshold sits at 64 and below it the bandit's arms
-# (k=0 among them, for a drafter that does not pay) decide.
-DEFAULT_THRESHOLD = 64
+# Running batch above which SD is off, re-derived once "off" cost what plain decoding costs
+# (patches/vllm_sd/catch_up.py; bench/results/sd_off_cost.json). bench/sd_threshold.py with the
+# warm drafter on task prompts (real acceptance), three runs on this 2-core box
+# (bench/results/sd_threshold.json, _r1, _r2): the best k decodes 1.03-1.20x plain at batch 1-8 in
+# some run and loses at 16, 32 and 64 in every run (0.76-0.97x), i.e. measured thresholds 8, 4 and
+# 2. So SD is considered up to 8 running requests, and within that the bandit's arms decide, k=0
+# (now free) among them. GPU recipes set their own (the reference system: 32).
+DEFAULT_THRESHOLD = 8
 
 
 @dataclass(frozen=True)
