@@ -1,9 +1,12 @@
 """End-to-end benchmark: the tiny recipe with TLT, without it, and with TLT's drafter frozen at
-step 0; same seed and data, the arms one after the other in one invocation.
+step 0; same seed and data, the arms one after the other, `--repeats` times in alternating order.
 
-Writes JSON (per-step records of every arm, step-time and rollout-time ratios over steps 5 to the
-last, both reward curves with their per-step gap, acceptance over steps, the adaptive drafter's
-rollout speed over the frozen one's) and a PNG of the four per-step curves.
+Writes JSON with the ratios pooled over the repeats at the top level (`step_time_baseline_over_tlt`,
+`rollout_time_baseline_over_tlt`, `non_rollout_tlt_over_baseline`,
+`adaptive_over_frozen_rollout_speed`; means over steps 5 to the last of every repeat), the same
+per repeat under `repeats` (with both reward curves and their gap, acceptance over steps, the
+drafter's share of the critical path, and every arm's per-step records), and a PNG of the
+per-step curves of the first repeat.
 
     ./tlt bench-e2e --steps 20 --out bench/results/tlt_e2e.json
     ./tlt bench-e2e --steps 20 --drafter /path/to/exported/eagle --arms tlt,tlt_frozen_drafter
@@ -39,6 +42,39 @@ def frozen_vs_adaptive(results: dict, last: int = 5) -> dict:
             "acceptance_length": acc}
 
 
+def non_rollout(steps: list[dict]) -> list[dict]:
+    return [{**s, "non_rollout_s": s["step_s"] - s["gen_s"]} for s in steps]
+
+
+def summary(results: dict) -> dict:
+    """One repeat's ratios (over steps 5 to the last)."""
+    out: dict = {}
+    if {"tlt", "baseline"} <= set(results):
+        c = tlt_vs_baseline(results)
+        out.update(step_time_baseline_over_tlt=c["step_time_ratio"], rollout_time_baseline_over_tlt=c["rollout_time_ratio"],
+                   non_rollout_tlt_over_baseline=ratio(non_rollout(results["tlt"]["steps"]),
+                                                       non_rollout(results["baseline"]["steps"]), "non_rollout_s"),
+                   tlt_vs_baseline=c)
+    if {"tlt", "tlt_frozen_drafter"} <= set(results):
+        f = frozen_vs_adaptive(results)
+        out.update(adaptive_over_frozen_rollout_speed=f["rollout_speed_ratio"], adaptive_vs_frozen_drafter=f)
+    return out
+
+
+def pooled(repeats: list[dict]) -> dict:
+    """The ratios over the measured steps of all repeats together (each arm's steps pooled)."""
+    arms = {name: [s for r in repeats for s in measured(r[name]["steps"])] for name in repeats[0]}
+    out: dict = {}
+    if {"tlt", "baseline"} <= set(arms):
+        t, b = arms["tlt"], arms["baseline"]
+        out.update(step_time_baseline_over_tlt=ratio(b, t, "step_s", first=0),
+                   rollout_time_baseline_over_tlt=ratio(b, t, "gen_s", first=0),
+                   non_rollout_tlt_over_baseline=ratio(non_rollout(t), non_rollout(b), "non_rollout_s", first=0))
+    if {"tlt", "tlt_frozen_drafter"} <= set(arms):
+        out["adaptive_over_frozen_rollout_speed"] = ratio(arms["tlt_frozen_drafter"], arms["tlt"], "gen_s", first=0)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
@@ -46,6 +82,7 @@ def main(argv=None) -> int:
                    help="tlt.drafter.init of both TLT arms: warm (the cached offline-trained drafter), scratch, or a folder")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "tlt_e2e.json"))
+    p.add_argument("--repeats", type=int, default=2, help="runs of every arm, in alternating order")
     p.add_argument("--run-dir", default=None, help="where the runs go (default: runs/tlt_e2e-<time>)")
     args = p.parse_args(argv)
     names = args.arms.split(",")
@@ -55,24 +92,35 @@ def main(argv=None) -> int:
     out = Path(args.out)
     run_dir = Path(args.run_dir or REPO / "runs" / f"tlt_e2e-{time.strftime('%Y%m%d-%H%M%S')}")
     base = RunConfig(steps=args.steps, drafter_init=args.drafter)
-    results = run_arms(base, {n: ARMS[n] for n in names}, run_dir)
+    runs = []
+    for r in range(args.repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        print(f"tlt-verl: === repeat {r + 1}/{args.repeats}: {', '.join(order)} ===", flush=True)
+        runs.append(run_arms(base, {n: ARMS[n] for n in order}, run_dir / f"r{r + 1}"))
 
     report = {"settings": portable_settings({"steps": args.steps, "drafter_init": args.drafter, "arms": names,
-                                             "first_measured_step": FIRST_MEASURED_STEP}),
-              "measured_steps": [s["step"] for s in measured(next(iter(results.values()))["steps"])]}
-    if {"tlt", "baseline"} <= set(results):
-        report["tlt_vs_baseline"] = tlt_vs_baseline(results)
-        print(format_comparison(report["tlt_vs_baseline"]))
-    if {"tlt", "tlt_frozen_drafter"} <= set(results):
-        report["adaptive_vs_frozen_drafter"] = frozen_vs_adaptive(results)
-        r = report["adaptive_vs_frozen_drafter"]
-        print(f"tlt-verl: adaptive / frozen drafter rollout speed {r['rollout_speed_ratio']:.2f}x"
-              f" (last 5 steps {r['rollout_speed_ratio_last5']:.2f}x)")
-    report["arms"] = {n: {"summary": {k: portable(v) for k, v in r["summary"].items()}, "steps": r["steps"]} for n, r in results.items()}
+                                             "repeats": args.repeats, "first_measured_step": FIRST_MEASURED_STEP}),
+              "measured_steps": [s["step"] for s in measured(next(iter(runs[0].values()))["steps"])],
+              **pooled(runs), "repeats": []}
+    for r, results in enumerate(runs):
+        rep = summary(results)
+        if "tlt_vs_baseline" in rep:
+            print(f"tlt-verl: repeat {r + 1}: " + format_comparison(rep["tlt_vs_baseline"]).removeprefix("tlt-verl: ")
+                  + f" | non-rollout TLT/baseline {rep['non_rollout_tlt_over_baseline']:.2f}x")
+        if "adaptive_vs_frozen_drafter" in rep:
+            f = rep["adaptive_vs_frozen_drafter"]
+            print(f"tlt-verl: repeat {r + 1}: adaptive / frozen drafter rollout speed {f['rollout_speed_ratio']:.2f}x"
+                  f" (last 5 steps {f['rollout_speed_ratio_last5']:.2f}x)")
+        rep["order"] = names if r % 2 == 0 else names[::-1]
+        rep["arms"] = {n: {"summary": {k: portable(v) for k, v in x["summary"].items()}, "steps": x["steps"]}
+                       for n, x in results.items()}
+        report["repeats"].append(rep)
+    print("tlt-verl: pooled over repeats: " + ", ".join(f"{k} {v:.2f}x" for k, v in pooled(runs).items()))
+    results = runs[0]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     png = plot_arms(results, out.with_suffix(".png"), f"tiny_cpu_grpo, {args.steps} steps: "
-                    f"TLT vs stock verl vs TLT with the drafter frozen at step 0 (init: {args.drafter})")
+                    f"TLT vs stock verl vs TLT with the drafter frozen at step 0 (init: {args.drafter}); repeat 1")
     print(f"tlt-verl: wrote {out} and {png}")
     return 0
 
