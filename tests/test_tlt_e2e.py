@@ -161,3 +161,26 @@ def test_sigkill_of_the_drafter_mid_step_loses_no_checkpoint(runs):
     latest = _ckpt_root(runs["dir"]) / "latest_checkpointed_iteration.txt"
     assert latest.read_text().strip() == "4"
     assert sorted(runs["m2"]) == [4] and runs["second"]["steps"][-1]["step"] == 4
+
+
+def test_each_save_leaves_an_export_for_serving(runs):
+    """trainer.save_freq=1: every saved step (1-3, and 4 of the resumed run) has its export, the
+    policy in Hugging Face format beside the freshest drafter, whole against its manifest; the
+    drafter is the one the step's metrics report as freshest, and the acceptance recorded is the
+    step's own. tests/test_serve.py serves an export."""
+    from tlt_verl.serve.export import find_exports, read_export
+
+    root = _ckpt_root(runs["dir"]) / "tlt" / "export"
+    folders = find_exports(root)
+    assert [p.name for p in folders] == ["step_1", "step_2", "step_3", "step_4"]
+    metrics = {**runs["m1"], **runs["m2"]}
+    for folder in folders:
+        m = read_export(folder, hashes=True).manifest
+        step = m["step"]
+        assert m["policy"]["architecture"] == "Qwen2ForCausalLM" and "policy/model.safetensors" in m["files"]
+        assert set(m["drafter"]["layouts"]) == {"vllm", "sglang"}
+        assert m["drafter"]["state_version"] == metrics[step]["tlt/drafter/state_version"], step
+        assert m["acceptance"]["step"] == step
+        assert m["acceptance"]["acceptance_length"] == pytest.approx(metrics[step]["tlt/sd/acceptance_length"])
+        assert m["serve"] == {"dtype": "float32", "max_model_len": 1536, "num_speculative_tokens": 3}
+        assert metrics[step]["tlt/export_s"] > 0

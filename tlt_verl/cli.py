@@ -1,4 +1,5 @@
-"""`tlt-verl` (also `./tlt`): run the embedded default, prepare assets, benchmark, warm up / export a drafter."""
+"""`tlt-verl` (also `./tlt`): run the embedded default, prepare assets, benchmark, warm up / export a drafter,
+export a saved step and serve a run."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +64,57 @@ def _drafter(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from tlt_verl.serve.export import ExportError
+    from tlt_verl.serve.server import ServeConfig, ServeError, serve
+
+    cfg = ServeConfig(path=Path(args.run_dir), host=args.host, port=args.port, drafter=args.drafter,
+                      num_speculative_tokens=args.k, dtype=args.dtype, name=args.name, verify=args.verify,
+                      vllm_args=tuple(args.vllm_args))
+    try:
+        return serve(cfg, dry_run=args.dry_run)
+    except (ExportError, ServeError) as e:
+        print(f"tlt-verl: serve: {e}", file=sys.stderr)
+        return 1
+
+
+def _export(args) -> int:
+    from tlt_verl.serve.export import ENGINE_LAYOUTS, EXPORT_DIR, ExportError, export_step
+
+    step_dir = Path(args.checkpoint)
+    out = Path(args.out) if args.out else step_dir.parent / "tlt" / EXPORT_DIR
+    try:
+        folder = export_step(step_dir, out, drafter_rank=args.rank, layouts=ENGINE_LAYOUTS)
+    except (ExportError, ValueError, OSError) as e:
+        print(f"tlt-verl: export: {e}", file=sys.stderr)
+        return 1
+    print(f"tlt-verl: exported {step_dir} to {folder}")
+    return 0
+
+
+def _add_serve_parsers(sub) -> None:
+    from tlt_verl.serve.server import DEFAULT_NAME, DEFAULT_PORT
+
+    s = sub.add_parser("serve", help="vLLM's OpenAI-compatible server on a run's newest export, its drafter as "
+                                     "the speculative model (extra vLLM arguments after --)")
+    s.add_argument("run_dir", help="a run folder (./tlt run --run-dir), or any folder holding exports, or one export")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--no-drafter", dest="drafter", action="store_false", help="the policy alone, no speculative decoding")
+    s.add_argument("--k", type=int, default=None, help="speculative tokens per step (default: the export's, 3)")
+    s.add_argument("--dtype", default=None, help="default: the dtype the run sampled in (the export's manifest)")
+    s.add_argument("--name", default=DEFAULT_NAME, help="the model name clients send")
+    s.add_argument("--verify", action="store_true", help="re-hash every file against the export's manifest first")
+    s.add_argument("--dry-run", action="store_true", help="print the `vllm serve` command line and exit")
+    s.set_defaults(fn=_serve, vllm_args=[])
+    e = sub.add_parser("export", help="export a saved verl step (global_step_N) for serving: the policy (verl's "
+                                      "model merger) beside its drafter, with a manifest")
+    e.add_argument("checkpoint", help="verl's global_step_N folder")
+    e.add_argument("--out", default=None, help="export root (default: <its parent>/tlt/export); writes step_N there")
+    e.add_argument("--rank", type=int, default=None, help="the rank whose drafter to export (default: the freshest)")
+    e.set_defaults(fn=_export)
+
+
 def _add_drafter_parser(sub) -> None:
     d = sub.add_parser("drafter", help="offline drafter warm-up and export")
     dsub = d.add_subparsers(dest="drafter_cmd", required=True)
@@ -119,7 +171,13 @@ def main(argv=None) -> int:
                     help="a deeper SFT model for the rollout benchmark (default: the recipe's 4 layers)")
     pr.set_defaults(fn=_prepare)
     _add_drafter_parser(sub)
+    _add_serve_parsers(sub)
+    extra = []
+    if argv[:1] == ["serve"] and "--" in argv:
+        argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = p.parse_args(argv)
+    if extra:
+        args.vllm_args = extra
     if getattr(args, "steps", 1) < 1:
         p.error("--steps must be >= 1")
     if getattr(args, "compare", False) and not args.tlt:

@@ -250,16 +250,21 @@ def export_checkpoint(checkpoint_dir: str | Path, target_dir: str | Path, out: s
                       layout: str = "vllm") -> Path:
     """Export the newest good checkpoint in ``checkpoint_dir`` as an engine folder for
     ``target_dir``'s model."""
+    if (layout, "eagle") not in LAYOUTS:
+        raise ValueError(f"--layout {layout!r}: must be vllm or sglang")
+    return export_drafter(checkpoint_drafter(load_latest(checkpoint_dir), target_dir), out, engine=layout)
+
+
+def checkpoint_drafter(loaded, target_dir: str | Path):
+    """The drafter a loaded drafter checkpoint holds, checked against ``target_dir``'s model; its
+    embedding and LM head are stand-ins (exports write the drafter's own weights only)."""
     from transformers import AutoConfig
 
     target_dir = check_model_dir(target_dir, "--target")
-    loaded = load_latest(checkpoint_dir)
     d = loaded.state.get("drafter_config")
     if d is None:
         raise ValueError(f"checkpoint {loaded.path}: holds no drafter_config (not a drafter checkpoint)")
     saved = DrafterConfig(**{**d, "aux_layer_ids": tuple(d["aux_layer_ids"])})
-    if (layout, saved.kind) not in LAYOUTS:
-        raise ValueError(f"--layout {layout!r}: must be vllm or sglang")
     tc = AutoConfig.from_pretrained(target_dir)
     fits = DrafterConfig.from_target(tc, kind=saved.kind, aux_layer_ids=saved.aux_layer_ids or None,
                                      draft_vocab_size=saved.draft_vocab_size, attention_bias=saved.attention_bias)
@@ -269,9 +274,9 @@ def export_checkpoint(checkpoint_dir: str | Path, target_dir: str | Path, out: s
         k = diff[0]
         raise ValueError(f"checkpoint drafter does not fit target {target_dir}: {k}={getattr(saved, k)!r}, "
                          f"the target implies {getattr(fits, k)!r}")
-    # Export writes the drafter's own weights only; stride-0 stand-ins of the right shape
-    # satisfy the shape checks without loading the target's (possibly huge) embedding.
+    # Stride-0 stand-ins of the right shape satisfy the shape checks without loading the
+    # target's (possibly huge) embedding.
     stand_in = torch.zeros(1, saved.hidden_size).expand(saved.vocab_size, saved.hidden_size)
     drafter = build_drafter(saved, stand_in, stand_in)
     drafter.load_state_dict(loaded.state["drafter"])
-    return export_drafter(drafter, out, engine=layout)
+    return drafter

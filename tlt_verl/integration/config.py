@@ -15,6 +15,7 @@ from tlt_verl.capture.buffer import BufferConfig
 from tlt_verl.drafter.trainer import TrainerConfig
 from tlt_verl.rollout.policy.bandit import BanditConfig
 from tlt_verl.rollout.policy.sd_policy import SDPolicyConfig
+from tlt_verl.serve.export import ExportConfig
 
 # Rollout backends whose server runs the drafter, the SD policy and the drafter push.
 SUPPORTED_ROLLOUTS = ("tlt_vllm", "vllm")
@@ -87,6 +88,7 @@ class TLTConfig:
     drafter: DrafterSection = field(default_factory=DrafterSection)
     sd: SDPolicyConfig = field(default_factory=SDPolicyConfig)
     spot: SpotSection = field(default_factory=SpotSection)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     @classmethod
     def from_dict(cls, block: Optional[Mapping[str, Any]]) -> "TLTConfig":
@@ -114,7 +116,8 @@ class TLTConfig:
         cfg = cls(enable=bool(block.get("enable", False)),
                   drafter=section,
                   sd=_build(SDPolicyConfig, sd, "tlt.sd"),
-                  spot=_build(SpotSection, block.get("spot"), "tlt.spot"))
+                  spot=_build(SpotSection, block.get("spot"), "tlt.spot"),
+                  export=_build(ExportConfig, block.get("export"), "tlt.export"))
         cfg.validate()
         return cfg
 

@@ -9,7 +9,10 @@ computes is unchanged. What it adds, through the trainer's own hooks:
 - on_step_end: after verl's target weight sync, the freshest drafter is exported and pushed to
   every replica; `tlt/...` metrics go into verl's metrics dict;
 - checkpoints: the drafter of every rank is saved inside verl's `global_step_N` folder before
-  verl's own files, and resumed from it with `trainer.resume_mode`.
+  verl's own files, and resumed from it with `trainer.resume_mode`;
+- exports (`tlt.export`): after each save, and once after the last step (saving verl's checkpoint
+  first if `trainer.save_freq` did not), the step's policy in Hugging Face format beside its
+  freshest drafter, for serving (tlt_verl/serve/export.py, `./tlt serve`).
 """
 from __future__ import annotations
 
@@ -28,13 +31,14 @@ from verl.utils.debug import marked_timer
 from tlt_verl.integration.config import TLTConfig
 from tlt_verl.rollout.engine import NAME
 from tlt_verl.rollout.engine.replica import server_actor_name
+from tlt_verl.serve.export import DRAFTER_SUBDIR, EXPORT_DIR, STEP_PREFIX, ServeHints, export_step, prune_exports
 from tlt_verl.spot.coordinator import ReplicaSlot, SpotCoordinator
 
 MODE = "tlt"
 # The verl mode TLT runs as once selected (SUPPORTED_TRAINER_MODES in config.py).
 BASE_MODE = "sync"
 ACTOR_ROLES = (Role.ActorRollout, Role.ActorRolloutRef)
-DRAFTER_DIR = "tlt_drafter"
+DRAFTER_DIR = DRAFTER_SUBDIR
 
 
 def tlt_work_dir(config) -> str:
@@ -55,6 +59,10 @@ class TLTTrainer(PPOTrainerSync):
         self._tlt_rollout: dict = {}
         self._tlt_pending_push = False
         self._tlt_timelines: list = []
+        # The step verl saved and TLT has yet to export; the last step exported; the newest acceptance.
+        self._tlt_export_due: int | None = None
+        self._tlt_exported: int | None = None
+        self._tlt_acceptance: dict | None = None
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -156,6 +164,8 @@ class TLTTrainer(PPOTrainerSync):
         metrics["tlt/drafter_critical_path_s"] = self._tlt_rollout.get("preempt_s", 0.0) + push_s
         metrics["tlt/target_sync_s"] = t1 - t0
         self._write_timeline()
+        if self._tlt_export_due is not None:
+            metrics["tlt/export_s"] = self._export(self._tlt_export_due)
         pending = getattr(self, "_pending_sync_metrics", None) or {}
         self._pending_sync_metrics = {**pending, **metrics}
 
@@ -181,6 +191,9 @@ class TLTTrainer(PPOTrainerSync):
             for key in ("sd_step_share", "acceptance_length", "decode_tokens_per_s"):
                 out[f"tlt/sd/{key}"] = sum(wi * s.get(key, 0.0) for wi, s in zip(w, summaries))
             self._tlt_rollout["acceptance_length"] = out["tlt/sd/acceptance_length"]
+            # Of the drafter that served this step's rollout (pushed after the previous step).
+            self._tlt_acceptance = {"step": self.global_steps, "acceptance_length": out["tlt/sd/acceptance_length"],
+                                    "sd_step_share": out["tlt/sd/sd_step_share"]}
             for bucket, k in (summaries[0].get("arms") or {}).items():
                 out[f"tlt/sd/arm_bucket_{bucket}"] = float(k)
         # Ranks whose replicas never drained did not train: report the freshest drafter, the one pushed.
@@ -214,3 +227,50 @@ class TLTTrainer(PPOTrainerSync):
                 json.dump(states, f)
             os.replace(tmp, os.path.join(folder, "sd_policy.json"))
         super()._save_checkpoint()
+        # Exported in on_step_end, once the step's acceptance is known (nothing trains in between).
+        self._tlt_export_due = self.global_steps if self.tlt.export.enable else None
+
+    # ---- exports for serving -----------------------------------------------------------------
+
+    def _export(self, step: int) -> float:
+        t = time.time()
+        cfg = self.tlt.export
+        root = os.path.join(tlt_work_dir(self.config), EXPORT_DIR)
+        rollout = self.config.actor_rollout_ref.rollout
+        hints = ServeHints(dtype=str(rollout.dtype),
+                           max_model_len=int(rollout.get("max_model_len") or rollout.prompt_length + rollout.response_length),
+                           num_speculative_tokens=max(self.tlt.sd.bandit.arms))
+        # The rank whose drafter the replicas serve: its checkpoint of this step holds the same state.
+        rank, _ = self.coordinator.freshest_worker()
+        out = export_step(os.path.join(self.config.trainer.default_local_dir, f"global_step_{step}"), root,
+                          drafter_rank=rank, acceptance=self._tlt_acceptance, serve=hints, layouts=cfg.layouts)
+        prune_exports(root, cfg.keep if cfg.keep is not None else self.config.trainer.get("max_actor_ckpt_to_keep"))
+        self._tlt_export_due, self._tlt_exported = None, step
+        print(f"tlt: step {step}: policy and drafter exported for serving to {os.path.abspath(out)} "
+              f"({time.time() - t:.1f}s)", flush=True)
+        return time.time() - t
+
+    def fit(self, *args, **kwargs):
+        out = super().fit(*args, **kwargs)
+        self._export_at_end()
+        return out
+
+    def _export_at_end(self) -> None:
+        """The run's final export: verl's checkpoint of the last step (saved here, outside the step's
+        timing, when trainer.save_freq did not save it) and its export."""
+        cfg = self.tlt.export
+        last = self.global_steps - 1           # fit() counts one past the last step it ran
+        if not (cfg.enable and cfg.at_end) or last < 1 or self.config.trainer.get("val_only", False):
+            return
+        root = os.path.join(tlt_work_dir(self.config), EXPORT_DIR)
+        if self._tlt_exported == last or os.path.isfile(os.path.join(root, f"{STEP_PREFIX}{last}", "manifest.json")):
+            return
+        tracker = os.path.join(self.config.trainer.default_local_dir, "latest_checkpointed_iteration.txt")
+        saved = os.path.isfile(tracker) and open(tracker).read().strip() == str(last)
+        if not saved:
+            self.global_steps = last
+            try:
+                self._save_checkpoint()
+            finally:
+                self.global_steps = last + 1
+        self._export(last)

@@ -224,6 +224,11 @@ def run(cfg: RunConfig) -> dict:
         if found:
             png = plot_spot(load_spot_timeline(found[-1]), steps, run_dir / "spot_timeline.png")
             say(f"tlt-verl: long-tail timeline per replica -> {png}")
+    from tlt_verl.serve.export import find_exports
+
+    exports = find_exports(run_dir)
+    if exports:
+        say(f"tlt-verl: policy and drafter exported for serving -> {exports[-1]}; serve it: ./tlt serve {run_dir}")
     say(
         f"tlt-verl: done in {summary['wall_s']:.0f}s | reward first-3 {summary['reward_first3']:+.3f}"
         f" -> last-3 {summary['reward_last3']:+.3f} | rollout share {summary['rollout_share']:.0%}"

@@ -12,7 +12,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,6 +21,7 @@ from . import longtail, tokenizer as tokenizer_mod
 from .longtail import generate_problems, write_parquet
 from .sft import SFTConfig, prompt_text, train_sft
 from .tiny_model import TinyModelSpec
+from tlt_verl.utils.files import build_dir_atomically
 
 # Bump when the meaning of an artifact changes in a way the settings below do not capture.
 FORMAT_VERSION = 1
@@ -118,26 +118,16 @@ def _read_stamp(directory: Path) -> dict | None:
 
 def _build_atomically(target: Path, build: Callable[[Path], dict], settings: dict) -> dict:
     """Run ``build(tmp_dir)`` and move the finished directory to ``target`` in one rename."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    old = target.parent / f".{target.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    def build_stamped(tmp: Path) -> dict:
         start = time.perf_counter()
         info = build(tmp) or {}
         stamp = {"hash": _hash(settings), "elapsed_s": round(time.perf_counter() - start, 1), "info": info,
                  "settings": settings}
         # The stamp is written last: its presence is what marks the directory as complete.
         (tmp / STAMP_NAME).write_text(json.dumps(stamp, indent=2, default=str))
-        if target.exists():
-            target.rename(old)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    return stamp
+        return stamp
+
+    return build_dir_atomically(target, build_stamped)
 
 
 STAGE_DIRS = {"tokenizer": "tokenizer", "data": "data", "model": "sft_model"}
