@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,22 @@ async def _scenario(spec: dict) -> dict:
     try:
         res["plain"] = await rollout(plain, "plain")
         res["plain_summary"] = await plain.take_sd_summary()
+        # The engine core killed mid-rollout: the rollout fails, fast, in one line with the cause.
+        import signal
+
+        core = plain.engine.engine_core.resources.engine_manager.processes[0]
+        dying = asyncio.create_task(rollout(plain, "dying"))
+        await asyncio.sleep(0.05)
+        res["killed_mid_rollout"] = not dying.done()
+        os.kill(core.pid, signal.SIGKILL)
+        t = time.time()
+        try:
+            await asyncio.wait_for(dying, 120)
+            res["dying_error"] = None
+        except RuntimeError as e:
+            res["dying_error"] = str(e)
+        res["dying_s"] = time.time() - t
+        res["core_pid"] = core.pid
     finally:
         plain.shutdown()
 
@@ -235,6 +252,18 @@ def test_sd_off_runs_no_drafter_and_sleep_drops_what_it_kept(scenario):
     assert before["skipped_steps"] - start["skipped_steps"] == len(steps)
     assert before["pending_rows"] == 8 * len(MAX_TOKENS) + sum(n - 1 for n in MAX_TOKENS)
     assert after["pending_rows"] == 0 and after["skipped_steps"] == before["skipped_steps"]
+
+
+@pytest.mark.slow
+def test_dying_engine_fails_the_rollout_fast_in_one_line(scenario):
+    # SIGKILL of the engine core while 12 requests ran: every generate ends within seconds with one
+    # line naming the replica, the process and the signal (vLLM's own error points elsewhere).
+    err = scenario["dying_error"]
+    assert scenario["killed_mid_rollout"]
+    assert err is not None and "\n" not in err, err
+    assert err.startswith("replica 0: its vLLM engine died during generate") and "SIGKILL" in err, err
+    assert f"pid {scenario['core_pid']}" in err, err
+    assert scenario["dying_s"] < 30, scenario["dying_s"]
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ is long. The schedule is off (k=0) above batch 4 and k=3 at 4 and below, so SD c
 Greedy decoding makes both continue with the same tokens, so the acceptance after the switch must
 equal the reference's. The negative control is the same run with the catch-up disabled
 (TLT_VLLM_DISABLE_SD_CATCH_UP=1, the skipped positions are then never shown to the drafter):
-its acceptance must fall.
+its acceptance must fall. All three run in one engine, the prefix cache reset before each.
 """
 from __future__ import annotations
 
@@ -69,15 +69,19 @@ def _child(spec: dict) -> dict:
                 **{k: after[k] - before[k] for k in ("skipped_steps", "caught_up_rows", "truncated_rows")},
                 "pending_after": after["pending_rows"]}
 
+    switch = [[1, PROMPTS, K], [PROMPTS + 1, batch, 0]]
     try:
         # Copies of a prompt in order, the short ones first: they compute the shared prompt blocks.
         requests = [(p, SHORT) for p in prompts for _ in range(COPIES - 1)] + [(p, LONG) for p in prompts]
-        off_on = run("off_on", [[1, PROMPTS, K], [PROMPTS + 1, batch, 0]], requests)
+        off_on = run("off_on", switch, requests)
         head = off_on["tokens"][-PROMPTS:]
         all_along = run("all_along", [[1, batch, K]], [(p + h[:SHORT], LONG - SHORT) for p, h in zip(prompts, head)])
+        os.environ[catch_up.DISABLE_CATCH_UP] = "1"
+        off_on_control = run("off_on", switch, requests)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return {"off_on": off_on, "all_along": all_along, "prompt_lens": [len(p) for p in prompts]}
+    return {"caught_up": {"off_on": off_on, "all_along": all_along},
+            "not_caught_up": {"off_on": off_on_control, "all_along": all_along}, "prompt_lens": [len(p) for p in prompts]}
 
 
 @pytest.fixture(scope="module")
@@ -88,21 +92,24 @@ def models(assets):
     return {"target": str(assets["model"]), "drafter": str(prepare_warm_drafter(root))}
 
 
-def _run(models, tmp_path, disable: bool) -> dict:
+@pytest.fixture(scope="module")
+def result(models, tmp_path_factory):
     from tlt_verl.patches.vllm_sd.catch_up import DISABLE_CATCH_UP
 
-    return run_in_subprocess(__file__, models, tmp_path, drop_env=(DISABLE_CATCH_UP,),
-                             env_extra={DISABLE_CATCH_UP: "1"} if disable else None)
+    res = run_in_subprocess(__file__, models, tmp_path_factory.mktemp("catch_up"), drop_env=(DISABLE_CATCH_UP,))
+    for run in ("caught_up", "not_caught_up"):
+        res[run]["prompt_lens"] = res["prompt_lens"]
+    return res
 
 
 @pytest.fixture(scope="module")
-def caught_up(models, tmp_path_factory):
-    return _run(models, tmp_path_factory.mktemp("catch_up"), disable=False)
+def caught_up(result):
+    return result["caught_up"]
 
 
 @pytest.fixture(scope="module")
-def not_caught_up(models, tmp_path_factory):
-    return _run(models, tmp_path_factory.mktemp("no_catch_up"), disable=True)
+def not_caught_up(result):
+    return result["not_caught_up"]
 
 
 def _tails(res):

@@ -147,6 +147,11 @@ class Pending:
         return joined(k_tokens, tokens), out_positions, joined(k_hidden, hidden), new_cad
 
 
+def _catch_up_enabled() -> bool:
+    # Read when drafting resumes (once per switch), so a test can compare both in one engine.
+    return os.environ.get(DISABLE_CATCH_UP, "") not in ("1", "true", "yes")
+
+
 def _last_write(slots: np.ndarray) -> np.ndarray:
     """Row index of the last row for each distinct slot, ordered by slot."""
     _, first_from_end = np.unique(slots[::-1], return_index=True)
@@ -214,8 +219,6 @@ def patch_proposer(mod) -> None:
     missing = [f for f in CAD_FIELDS if f not in CommonAttentionMetadata.__dataclass_fields__]
     if missing:
         raise PatchError(f"{WHAT}: CommonAttentionMetadata lacks {missing}; the patched code has changed")
-    catch_up = os.environ.get(DISABLE_CATCH_UP, "") not in ("1", "true", "yes")
-
     @functools.wraps(propose)
     def tlt_propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                     next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
@@ -223,8 +226,8 @@ def patch_proposer(mod) -> None:
         st = self.__dict__.get(_STATE)
         if st is not None and st.rows:
             # Drafting resumes: the target's own rows this step (no verified drafts), of a text model.
-            if (catch_up and token_indices_to_sample is None and num_rejected_tokens_gpu is None
-                    and target_positions.dim() == 1 and mm_embed_inputs is None):
+            if (token_indices_to_sample is None and num_rejected_tokens_gpu is None
+                    and target_positions.dim() == 1 and mm_embed_inputs is None and _catch_up_enabled()):
                 budget = st.capacity - getattr(self, "net_num_new_slots_per_request", 0) * common_attn_metadata.num_reqs
                 target_token_ids, target_positions, target_hidden_states, common_attn_metadata = st.merge(
                     common_attn_metadata, target_token_ids, target_positions, target_hidden_states, budget)

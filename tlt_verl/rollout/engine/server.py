@@ -17,6 +17,7 @@ from typing import Any, Optional
 from verl.workers.rollout.replica import TokenOutput
 
 from tlt_verl.rollout.config import AdaptiveRolloutConfig, cuda_graph_engine_args
+from tlt_verl.rollout.engine.engine_death import reporting_death
 from tlt_verl.rollout.lossless import check_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -171,8 +172,9 @@ class VllmServer:
         final = None
         await self._request_started()
         try:
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), sp, request_id):
-                final = out
+            async with reporting_death(self.replica_rank, self.engine, "generate"):
+                async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), sp, request_id):
+                    final = out
         finally:
             await self._request_ended()
         end = time.time()
@@ -329,22 +331,24 @@ class VllmServer:
 
     async def wake_up(self, tags: Optional[list[str]] = None) -> None:
         tags = list(tags or SLEEP_TAGS)
-        if self._sleeps_engine() and self._released & set(tags):
-            await self.engine.wake_up(tags)
-        self._released -= set(tags)
-        if "kv_cache" in tags:
-            await self.engine.reset_prefix_cache()
+        async with reporting_death(self.replica_rank, self.engine, "wake_up"):
+            if self._sleeps_engine() and self._released & set(tags):
+                await self.engine.wake_up(tags)
+            self._released -= set(tags)
+            if "kv_cache" in tags:
+                await self.engine.reset_prefix_cache()
 
     async def sleep(self) -> None:
         if not self.config.free_cache_engine or self._released == set(SLEEP_TAGS):
             return
-        await self.engine.reset_prefix_cache()
-        if self._serves_drafter():
-            # The drafter inputs kept while SD was off live outside the memory a sleep frees: drop
-            # them on every platform, so that the CPU tests run what a GPU sleep needs.
-            await self.engine.collective_rpc("tlt_release_sd_catch_up")
-        if self._sleeps_engine():
-            await self.engine.sleep(level=SLEEP_LEVEL)
+        async with reporting_death(self.replica_rank, self.engine, "sleep"):
+            await self.engine.reset_prefix_cache()
+            if self._serves_drafter():
+                # The drafter inputs kept while SD was off live outside the memory a sleep frees: drop
+                # them on every platform, so that the CPU tests run what a GPU sleep needs.
+                await self.engine.collective_rpc("tlt_release_sd_catch_up")
+            if self._sleeps_engine():
+                await self.engine.sleep(level=SLEEP_LEVEL)
         self._released = set(SLEEP_TAGS)
         # Level 2 keeps nothing: the drafter has to come back (see _restore_drafter).
         self._drafter_lost = SLEEP_LEVEL == 2 and self._serves_drafter()
@@ -380,7 +384,8 @@ class VllmServer:
     async def collective_rpc(self, method: str, timeout=None, args: tuple = (), kwargs=None):
         if method in WRITES_WEIGHTS:
             self.check_awake(method, ("weights",))
-        return await self.engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+        async with reporting_death(self.replica_rank, self.engine, method):
+            return await self.engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
     def shutdown(self) -> None:
         if self.sd_loop is not None:
