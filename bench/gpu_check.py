@@ -435,50 +435,6 @@ def validate_recipe(ctx: dict, run_dir: Path) -> dict:
             "attn_implementation": cfg["actor_rollout_ref"]["model"]["override_config"]["attn_implementation"]}
 
 
-class OwnRay:
-    """A Ray temp dir only this part's run uses (RAY_TMPDIR): verl's driver starts its local
-    cluster under it, and what still runs from it afterwards (a timed-out run's raylet and workers,
-    holding GPU memory) is ended by process id, leaving any other Ray on the machine alone."""
-
-    def __init__(self):
-        import tempfile
-
-        # Under /tmp and short: Ray's socket paths must stay under 108 bytes.
-        self.root = Path(tempfile.mkdtemp(prefix="tlt-gc-ray-", dir="/tmp"))
-        self.env = {"RAY_TMPDIR": str(self.root)}
-
-    def stop(self) -> int:
-        import shutil
-
-        import psutil
-
-        me = os.getpid()
-        mine = str(self.root)
-        procs = []
-        for p in psutil.process_iter(["pid", "uids", "cmdline", "environ"]):
-            try:
-                if p.pid == me or p.info["uids"] is None or p.info["uids"].real != os.getuid():
-                    continue
-                ours = (p.info["environ"] or {}).get("RAY_TMPDIR") == mine
-                if ours or any(mine in a for a in p.info["cmdline"] or ()):
-                    procs.append(p)
-            except psutil.Error:
-                continue
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        shutil.rmtree(self.root, ignore_errors=True)
-        return len(procs)
-
-
 def _read_jsonl_metrics(path: Path) -> dict[int, dict]:
     out = {}
     if path.exists():
@@ -518,6 +474,8 @@ def part_recipe(ctx: dict) -> dict:
                 "error": [f"recipe config check failed: {[k for k, v in validated['checks'].items() if not v]}"]}
     if ctx["mode"] != "gpu":
         return {"status": SKIPPED, "reason": "needs a GPU", "validated": validated}
+    from tlt_verl.utils.own_ray import OwnRay
+
     ray = OwnRay()
     # A drafter from scratch: `tlt run`'s default warm drafter would spend two minutes training.
     cli = [sys.executable, "-m", "tlt_verl.cli", "run", "--recipe", GPU_RECIPE, "--steps", str(RECIPE_STEPS),
@@ -528,7 +486,7 @@ def part_recipe(ctx: dict) -> dict:
     try:
         rc, seconds = run_logged(cli, log, remaining(ctx, 20.0), env=env)
     finally:
-        ended = ray.stop()
+        ended = len(ray.stop())
     out = {"validated": validated, "rc": rc, "seconds": seconds, "ray_processes_ended": ended,
            "command": ["tlt", "run", *cli[4:-2]],
            **summarize_recipe_run(run_dir)}

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from tlt_verl.launch.runner import RunConfig, RunError, run
+from tlt_verl.rollout.policy.sd_policy import sd_policy_pulls
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_ray")]
 
@@ -139,6 +140,9 @@ def test_drafter_checkpoint_in_verl_step_folder_and_resume(runs):
         # verl ran its synchronous path (an async mode would also checkpoint its TransferQueue).
         assert not (root / f"global_step_{step}" / "transfer_queue").exists()
     assert re.search(r"tlt: drafter resumed from \S*global_step_3 on 2/2 ranks", runs["log2"]), runs["log2"][-3000:]
+    # The bandit carries on from the saved state: the resumed run names the pulls it loaded.
+    saved = json.loads((_ckpt_root(runs["dir"]) / "global_step_3" / "tlt_drafter" / "sd_policy.json").read_text())
+    assert f"SD policy resumed: {sum(sd_policy_pulls(s) for s in saved if s)} bandit pulls" in runs["log2"]
     m2 = runs["m2"]
     assert sorted(m2) == [4]
     # The resumed drafter carries on from the saved one (its optimizer step count), not from scratch.

@@ -83,7 +83,7 @@ class Loaded:
     refused: list[str] = field(default_factory=list)   # one line per newer checkpoint refused
 
 
-def _manifests(directory: Path) -> list[Path]:
+def manifests(directory: Path) -> list[Path]:
     """Committed manifests, newest first: names sort by (step, write time)."""
     return sorted((p for p in directory.glob("ckpt-*.json") if TMP_MARK not in p.name),
                   key=lambda p: p.name, reverse=True)
@@ -157,11 +157,11 @@ class CheckpointManager:
         return data
 
     def _prune(self) -> None:
-        for old in _manifests(self.dir)[self.keep:]:
+        for old in manifests(self.dir)[self.keep:]:
             old.unlink(missing_ok=True)              # uncommit first, then drop the data
             old.with_suffix(".pt").unlink(missing_ok=True)
         # Data files whose manifest never got written (killed between the two renames).
-        committed = {p.with_suffix(".pt").name for p in _manifests(self.dir)}
+        committed = {p.with_suffix(".pt").name for p in manifests(self.dir)}
         for data in self.dir.glob("ckpt-*.pt"):
             if data.name not in committed:
                 data.unlink(missing_ok=True)
@@ -203,7 +203,7 @@ def load_latest(directory: str | Path) -> Loaded:
     if not d.is_dir():
         raise CheckpointError(f"checkpoint directory {d}: not found")
     refused: list[str] = []
-    for manifest in _manifests(d):
+    for manifest in manifests(d):
         try:
             loaded = load(manifest)
         except CheckpointError as e:

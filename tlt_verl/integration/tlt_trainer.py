@@ -31,6 +31,7 @@ from verl.utils.debug import marked_timer
 from tlt_verl.integration.config import TLTConfig
 from tlt_verl.rollout.engine import NAME
 from tlt_verl.rollout.engine.replica import server_actor_name
+from tlt_verl.rollout.policy.sd_policy import sd_policy_pulls
 from tlt_verl.serve.export import DRAFTER_SUBDIR, EXPORT_DIR, STEP_PREFIX, ServeHints, export_step, prune_exports
 from tlt_verl.spot.coordinator import ReplicaSlot, SpotCoordinator
 
@@ -101,17 +102,21 @@ class TLTTrainer(PPOTrainerSync):
         if self._tlt_resume_folder is not None:
             loaded = wg.tlt_load_drafter(os.path.join(self._tlt_resume_folder, DRAFTER_DIR))
             policy = os.path.join(self._tlt_resume_folder, DRAFTER_DIR, "sd_policy.json")
+            pulls = None
             if os.path.exists(policy):
                 states = json.loads(open(policy).read())
                 ray.get([s.load_sd_policy_state.remote(st) for s, st in zip(self._tlt_servers, states) if st])
-            # verl's driver log shows prints (its loggers default to WARNING).
-            print(f"tlt: drafter resumed from {self._tlt_resume_folder} on {sum(map(bool, loaded))}/{len(loaded)} ranks",
-                  flush=True)
+                pulls = sum(sd_policy_pulls(st) for st in states if st)
             self._tlt_pending_push = any(loaded)
             # Ranks resume at different drafter versions: the push and the next session's seed
             # must come from the freshest one, as in the uninterrupted run.
             versions = [int(m.get("state_version", 0)) for m in wg.tlt_drafter_metrics()]
             self.coordinator.versions.update(dict(enumerate(versions)))
+            # verl's driver log shows prints (its loggers default to WARNING); what was resumed is
+            # named, so that a resume can be checked against the checkpoint (bench/reliability.py).
+            print(f"tlt: drafter resumed from {self._tlt_resume_folder} on {sum(map(bool, loaded))}/{len(loaded)} ranks "
+                  f"(state versions {versions}); SD policy resumed: "
+                  f"{'no' if pulls is None else f'{pulls} bandit pulls'}", flush=True)
         super().on_init_end()
         if self._tlt_pending_push:
             self._push_drafter()

@@ -140,3 +140,8 @@ class AdaptiveSDPolicy:
         self.bandit.load_state_dict(state["bandit"])
         self._arm = [int(a) for a in state["arms"]]
         self._acc = [[int(a[0]), int(a[1]), float(a[2])] for a in state["acc"]]
+
+
+def sd_policy_pulls(state: Mapping[str, Any]) -> int:
+    """How many bandit pulls a saved SD policy state holds: a resumed policy starts from it."""
+    return sum(int(p) for p in state["bandit"]["pulls"])
