@@ -43,7 +43,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tlt_verl.drafter.checkpoint import CheckpointError, manifests, verify  # noqa: E402
+from tlt_verl.drafter.checkpoint import CheckpointError, load, manifests  # noqa: E402
+from tlt_verl.launch.runner import error_lines  # noqa: E402
 from tlt_verl.rollout.policy.sd_policy import sd_policy_pulls  # noqa: E402
 from tlt_verl.serve.export import DRAFTER_SUBDIR  # noqa: E402
 from tlt_verl.utils.own_ray import OwnRay  # noqa: E402
@@ -103,13 +104,10 @@ def check_step(run_dir: Path, step: int) -> dict:
             out["problems"].append(f"{rank}: no committed drafter checkpoint")
             continue
         try:
-            data, _ = verify(found[0])
+            state = load(found[0]).state           # verified against its sha256 first
         except CheckpointError as e:
             out["problems"].append(str(e))
             continue
-        import torch
-
-        state = torch.load(data, map_location="cpu", weights_only=True)
         out["drafter_versions"].append(int(state["service"]["state_version"]))
     policy = folder / DRAFTER_SUBDIR / "sd_policy.json"
     try:
@@ -144,14 +142,6 @@ def find_target(ray: OwnRay, kind: str):
     return None
 
 
-def last_error(log: Path) -> str:
-    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip() and "Warning" not in ln]
-    for ln in reversed(lines):
-        if "Error" in ln or "error" in ln or "died" in ln:
-            return ln.strip()[:400]
-    return lines[-1].strip()[:400] if lines else ""
-
-
 def wait_exit(proc: subprocess.Popen, timeout: float) -> float | None:
     t = time.time()
     try:
@@ -167,7 +157,7 @@ def trial(kind: str, work: Path, steps: int, when: tuple[str, float], rng: rando
     run_dir, log = work / "run", work / "launcher.log"
     work.mkdir(parents=True, exist_ok=True)
     ray = OwnRay()
-    rec: dict = {"kind": kind, "run_dir": str(run_dir), "moment": when[0]}
+    rec: dict = {"kind": kind, "trial": work.name, "moment": when[0]}
     t0 = time.time()
     proc = launch(run_dir, steps, ray, log)
     target = None
@@ -196,7 +186,8 @@ def trial(kind: str, work: Path, steps: int, when: tuple[str, float], rng: rando
         if took is None:
             proc.kill()
             proc.wait()
-        rec["killed_run_error"] = last_error(run_dir / "verl.log") if (run_dir / "verl.log").exists() else ""
+        # What `./tlt run` itself shows for a failed run; a killed driver leaves none.
+        rec["killed_run_error"] = (error_lines(run_dir / "verl.log")[-1:] or [None])[0] if kind != "driver" else None
         if kind == "engine":
             rec["one_line_engine_death"] = "its vLLM engine died" in (run_dir / "verl.log").read_text(errors="replace")
     finally:
@@ -212,7 +203,7 @@ def trial(kind: str, work: Path, steps: int, when: tuple[str, float], rng: rando
     lost = [c["step"] for c in checked if c["problems"]]
     if saved < saved_before:
         lost.append(saved_before)            # the tracker went backwards
-    rec["checkpoint_problems"] = [p for c in checked for p in c["problems"]]
+    rec["checkpoint_problems"] = [p.replace(str(run_dir), "<run>") for c in checked for p in c["problems"]]
     latest = next((c for c in checked if c["step"] == saved), None)
     rec["saved_drafter_versions"] = latest["drafter_versions"] if latest else []
     rec["saved_bandit_pulls"] = latest["bandit_pulls"] if latest else None

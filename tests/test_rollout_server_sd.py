@@ -75,7 +75,9 @@ async def _scenario(spec: dict) -> dict:
         # The engine core killed mid-rollout: the rollout fails, fast, in one line with the cause.
         import signal
 
-        core = plain.engine.engine_core.resources.engine_manager.processes[0]
+        from tlt_verl.rollout.engine.engine_death import core_processes
+
+        core = core_processes(plain.engine)[0]
         dying = asyncio.create_task(rollout(plain, "dying"))
         await asyncio.sleep(0.05)
         res["killed_mid_rollout"] = not dying.done()

@@ -117,7 +117,7 @@ def _read_metrics(path: Path) -> dict[int, dict]:
     return out
 
 
-def _error_lines(log: Path) -> list[str]:
+def error_lines(log: Path) -> list[str]:
     """What to show when verl exits non-zero: our one-line errors first, else the last exception."""
     if not log.exists():
         return []
@@ -205,7 +205,7 @@ def run(cfg: RunConfig) -> dict:
                 break
             time.sleep(1.0)
     if rc != 0:
-        detail = "\n".join(f"  {ln}" for ln in _error_lines(log_path))
+        detail = "\n".join(f"  {ln}" for ln in error_lines(log_path))
         raise RunError(f"verl exited with code {rc}; see {log_path}\n{detail}")
 
     events = timeline.load_events(tl_dir)

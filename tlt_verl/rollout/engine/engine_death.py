@@ -12,11 +12,16 @@ import contextlib
 import signal
 
 
-def death_cause(engine) -> str:
-    """How the engine's core processes ended, from vLLM's own process handles."""
+def core_processes(engine) -> list:
+    """vLLM's own handles on the engine's core processes (empty for an in-process engine)."""
     manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+def death_cause(engine) -> str:
+    """How the engine's core processes ended."""
     ended = []
-    for proc in getattr(manager, "processes", None) or []:
+    for proc in core_processes(engine):
         code = proc.exitcode
         if code is None:
             continue
