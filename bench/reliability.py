@@ -281,19 +281,25 @@ def main() -> int:
                     help="start no trial after this many minutes (the trials done are written)")
     ap.add_argument("--work", default=str(REPO / "runs" / f"reliability-{time.strftime('%Y%m%d-%H%M%S')}"))
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "reliability.json"))
+    ap.add_argument("--append", action="store_true",
+                    help="add this invocation's trials to those already in --out (a new seed draws new moments)")
     args = ap.parse_args()
     work, rng = Path(args.work), random.Random(args.seed)
+    out = previous(Path(args.out)) if args.append else {"invocations": [], "trials": []}
+    if any(inv["seed"] == args.seed for inv in out["invocations"]):
+        raise SystemExit(f"reliability: {args.out} already holds seed {args.seed}; pass another --seed to draw new moments")
     length, first_step = args.reference_s or reference(work / "reference", args.steps)
     print(f"reliability: an uninterrupted {args.steps}-step run takes {length:.0f}s", flush=True)
     kinds = ["engine"] * args.engine_kill + ["rank"] * args.rank_kill + ["driver"] * args.driver_kills
-    trials: list[dict] = []
-    out = {"steps": args.steps, "seed": args.seed, "reference_s": round(length, 1),
-           "reference_first_step_s": round(first_step, 1), "trials": trials}
+    invocation = len(out["invocations"])
+    out["invocations"].append({"steps": args.steps, "seed": args.seed, "reference_s": round(length, 1),
+                               "reference_first_step_s": round(first_step, 1)})
+    trials = out["trials"]
     started, drivers = time.time(), 0
     for i, kind in enumerate(kinds):
         if args.budget_min is not None and time.time() - started > 60 * args.budget_min:
             print(f"reliability: {args.budget_min:g} minutes spent; {len(kinds) - i} trials not run", flush=True)
-            out["not_run"] = kinds[i:]
+            out["invocations"][invocation]["not_run"] = kinds[i:]
             break
         if kind != "driver":
             when = ("after_first_step", rng.uniform(0.0, 10.0))
@@ -304,7 +310,7 @@ def main() -> int:
             # (rollouts, drafter sessions, saves, exports, pushes of steps 2 and 3).
             when = ("after_first_step", rng.uniform(0.0, 0.95 * (length - first_step)))
         drivers += kind == "driver"
-        rec = trial(kind, work / f"trial_{i:02d}_{kind}", args.steps, when, rng)
+        rec = {"invocation": invocation, **trial(kind, work / f"trial_{i:02d}_{kind}", args.steps, when, rng)}
         trials.append(rec)
         print(f"reliability: trial {i + 1}/{len(kinds)} {kind} killed at {rec.get('kill_at_s')}s "
               f"({rec.get('phase', rec.get('why'))}): resumed={rec.get('resumed')} "
@@ -316,9 +322,22 @@ def main() -> int:
     return 0 if out["summary"]["resumed"] == out["summary"]["killed"] else 1
 
 
+def previous(path: Path) -> dict:
+    """The invocations and trials already in ``path``; a file from one invocation (its settings at
+    the top level) becomes invocation 0."""
+    if not path.exists():
+        return {"invocations": [], "trials": []}
+    old = json.loads(path.read_text())
+    if "invocations" in old:
+        return {"invocations": old["invocations"], "trials": old["trials"]}
+    inv = {k: v for k, v in old.items() if k not in ("trials", "summary")}
+    return {"invocations": [inv], "trials": [{"invocation": 0, **t} for t in old["trials"]]}
+
+
 def write(out: dict, path: Path) -> None:
     killed = [t for t in out["trials"] if t.get("killed")]
     out["summary"] = {"trials": len(out["trials"]), "killed": len(killed),
+                      "killed_by_kind": {k: sum(t["kind"] == k for t in killed) for k in TARGETS},
                       "resumed": sum(bool(t.get("resumed")) for t in killed),
                       "lost_checkpoints": sum(len(t.get("lost_checkpoints", [])) for t in killed),
                       "hung": sum(bool(t.get("hung")) for t in killed)}
