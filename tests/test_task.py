@@ -5,6 +5,7 @@ No SFT training happens here; prepare's caching is tested with a stand-in traine
 import json
 import random
 import statistics
+import time
 
 import pandas as pd
 import pytest
@@ -348,6 +349,33 @@ def test_teacher_forced_accuracy_counts_argmax_hits(hf_tokenizer):
 
 
 # --- prepare caching (with a stand-in for SFT) -----------------------------------------------------
+
+
+def test_two_preparers_of_one_folder_build_it_once(tmp_path):
+    """Parallel test workers (or two runs started together) preparing the same assets: one builds,
+    the other waits for it and finds the artifact up to date."""
+    import threading
+
+    builds, results, started = [], [], threading.Event()
+
+    def build(tmp):
+        started.set()
+        time.sleep(0.5)              # the other preparer arrives while this one builds
+        builds.append(tmp)
+        (tmp / "weights").write_text("w")
+        return {}
+
+    def preparer():
+        results.append(prepare_mod.build_stage(tmp_path / "sft_model", {"v": 1}, build)[0])
+
+    first = threading.Thread(target=preparer)
+    first.start()
+    started.wait(5)
+    second = threading.Thread(target=preparer)
+    second.start()
+    first.join(10), second.join(10)
+    assert len(builds) == 1 and sorted(results) == ["built", "cached"]
+    assert (tmp_path / "sft_model" / "weights").read_text() == "w"
 
 
 def test_prepare_builds_once_then_caches(tmp_path, monkeypatch):

@@ -9,10 +9,12 @@ runs are cheap and an interrupted run never leaves a half-written artifact that 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -130,6 +132,31 @@ def _build_atomically(target: Path, build: Callable[[Path], dict], settings: dic
     return build_dir_atomically(target, build_stamped)
 
 
+@contextmanager
+def _one_builder(target: Path):
+    """Held while an artifact is checked and, if stale, built: of several processes preparing the
+    same folder (parallel test workers, two runs started together) one builds and the others wait,
+    then find it up to date, rather than each training its own copy."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # The lock is on the folder that holds the artifacts, so that no lock file is left beside them.
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def build_stage(target: Path, settings: dict, build: Callable[[Path], dict]) -> tuple[str, dict]:
+    """``target`` as ``settings`` make it: ("cached", its stamp) when its stamp matches, else
+    ("built", the new stamp) after ``build(tmp_dir)`` and one rename."""
+    with _one_builder(target):
+        stamp = _read_stamp(target)
+        if stamp is not None and stamp.get("hash") == _hash(settings):
+            return "cached", stamp
+        return "built", _build_atomically(target, build, settings)
+
+
 STAGE_DIRS = {"tokenizer": "tokenizer", "data": "data", "model": "sft_model"}
 
 
@@ -163,15 +190,22 @@ def prepare(root: Path, force: bool = False, settings: PrepareSettings | None = 
     report: dict[str, dict] = {}
 
     def run_stage(name: str, target: Path, build: Callable[[Path], dict]) -> None:
-        stamp = _read_stamp(target)
-        if not force and stamp is not None and stamp.get("hash") == _hash(stages[name]):
-            report[name] = {"status": "cached", "elapsed_s": stamp["elapsed_s"], "info": stamp.get("info", {})}
+        if force:
+            with _one_builder(target):
+                status, stamp = "built", _build_atomically(target, logged(name, target, build), stages[name])
+        else:
+            status, stamp = build_stage(target, stages[name], logged(name, target, build))
+        report[name] = {"status": status, "elapsed_s": stamp["elapsed_s"], "info": stamp.get("info", {})}
+        if status == "cached":
             log(f"prepare: {name}: up to date ({target}), built in {stamp['elapsed_s']}s earlier")
-            return
-        log(f"prepare: {name}: building {target}")
-        stamp = _build_atomically(target, build, stages[name])
-        report[name] = {"status": "built", "elapsed_s": stamp["elapsed_s"], "info": stamp["info"]}
-        log(f"prepare: {name}: built in {stamp['elapsed_s']}s")
+        else:
+            log(f"prepare: {name}: built in {stamp['elapsed_s']}s")
+
+    def logged(name: str, target: Path, build: Callable[[Path], dict]) -> Callable[[Path], dict]:
+        def run(tmp: Path) -> dict:
+            log(f"prepare: {name}: building {target}")
+            return build(tmp)
+        return run
 
     def build_tokenizer(tmp: Path) -> dict:
         tok = tokenizer_mod.build_tokenizer(tmp)

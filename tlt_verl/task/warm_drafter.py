@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tlt_verl.task.prepare import _build_atomically, _hash, _read_stamp
+from tlt_verl.task.prepare import _read_stamp, build_stage
 
 DIRNAME = "warm_drafter"
 # Generation through vLLM (about 90 s here, where HF generate would take several minutes), then a
@@ -32,18 +32,17 @@ def prepare_warm_drafter(root: Path, log=print) -> Path:
     if model_stamp is None:
         raise ValueError(f"{model}: no finished SFT model (run ./tlt prepare first)")
     settings = {**SETTINGS, "target": model_stamp["hash"]}
-    stamp = _read_stamp(target)
-    if stamp is not None and stamp.get("hash") == _hash(settings):
-        log(f"prepare: warm drafter: up to date ({target}), built in {stamp['elapsed_s']}s earlier")
-        return target
-    log(f"prepare: warm drafter: building {target} (about 3 minutes, once)")
 
     def build(tmp: Path) -> dict:
+        log(f"prepare: warm drafter: building {target} (about 3 minutes, once)")
         report = run_warmup(WarmupConfig(target=str(model), out=str(tmp), **SETTINGS), log=log)
         return report.get("training", {})
 
-    stamp = _build_atomically(target, build, settings)
-    log(f"prepare: warm drafter: built in {stamp['elapsed_s']}s")
+    status, stamp = build_stage(target, settings, build)
+    if status == "cached":
+        log(f"prepare: warm drafter: up to date ({target}), built in {stamp['elapsed_s']}s earlier")
+    else:
+        log(f"prepare: warm drafter: built in {stamp['elapsed_s']}s")
     return target
 
 
