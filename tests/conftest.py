@@ -10,43 +10,22 @@ from tlt_verl.utils.own_ray import OwnRay
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VERL_PLATFORM", "cpu")
 
-# Under pytest-xdist (`./tlt test` runs two workers): this worker's index and how many there are.
-WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
-WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if WORKERS > 1:
-    # Engines a worker starts itself (offline engines, test children) run on a core of their own
-    # worker's, so that two workers' engines do not share one core while the other idles; verl's
-    # replicas still pick their cores per replica (engine_env overrides this).
-    cores = sorted(os.sched_getaffinity(0))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[WORKER % len(cores)]))
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory):
+    """The task's tokenizer, data and SFT model, from the project's cache (built once if missing)."""
+    from tlt_verl.launch.runner import DEFAULT_HOME
+    from tlt_verl.task.prepare import prepare
+
+    root = Path(os.environ.get("TLT_TEST_ASSETS", DEFAULT_HOME / "assets"))
+    return prepare(root)
 
 
 @pytest.fixture(scope="session")
-def assets(tmp_path_factory):
-    """The task's tokenizer, data and SFT model, from the project's cache (built once if missing;
-    parallel workers wait for the one building it)."""
-    from dataclasses import replace
+def warm_drafter(assets) -> Path:
+    """The SFT model's warm drafter (exported folder with its checkpoints), built once if missing."""
+    from tlt_verl.task.warm_drafter import prepare_warm_drafter
 
-    from tlt_verl.launch.runner import DEFAULT_HOME
-    from tlt_verl.task.prepare import PrepareSettings, prepare
-
-    root = Path(os.environ.get("TLT_TEST_ASSETS", DEFAULT_HOME / "assets"))
-    settings = PrepareSettings()
-    if WORKERS > 1:
-        # Two OpenMP threads beside another busy process fall to a fifth of one thread's updates
-        # (SFTConfig.threads); the thread count is not part of the model's identity.
-        settings = replace(settings, sft=replace(settings.sft, threads=1))
-    return prepare(root, settings=settings)
-
-
-# The order parallel workers take whole modules in (--dist loadfile, two queued per worker): the
-# long ones first, so that none starts last; the first needs the task's assets, whose SFT model
-# takes minutes to train on a clean checkout, while the second and fourth need none. Modules not
-# named run after these, in file order.
-LONGEST_FIRST = ["test_tlt_e2e", "test_vllm_sd_patches", "test_grpo_e2e", "test_rollout_server_sd",
-                 "test_adaptive_rollout", "test_drafter_vllm", "test_gpu_check", "test_serve",
-                 "test_drafter_process", "test_bad_input", "test_weight_sync_memory", "test_sd_catch_up",
-                 "test_drafter_training", "test_recipes", "test_vllm_versions"]
+    return prepare_warm_drafter(Path(assets["root"]))
 
 
 def pytest_addoption(parser):
@@ -55,9 +34,6 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    key = lambda item: rank.get(item.path.stem, len(rank))
-    items.sort(key=key)         # stable: tests keep their order within a module
     if config.getoption("--reverse-modules"):
         modules: dict = {}
         for item in items:

@@ -193,6 +193,53 @@ def test_eagle3_unroll_matches_step_by_step_drafting(target):
                 torch.testing.assert_close(outs[j][0][:, t], out[:, 0], atol=1e-5, rtol=1e-5)
 
 
+def test_parallel_eagle3_unroll_matches_one_forward_with_mask_slots(target):
+    """Parallel drafting: the drafts at t+2.. come from mask slots in the same forward as slot t,
+    each reading the mask token and fc(mask_hidden), never the previous draft; the unroll must
+    give what that one forward gives (vLLM's parallel_drafting)."""
+    drafter = drafter_for(target, "eagle3", parallel_drafting=True).eval()
+    cfg = drafter.cfg
+    assert cfg.mask_token_id == VOCAB - 1 and drafter.mask_hidden.shape == (cfg.fc_in_features,)
+    (s,) = samples_for(target, "eagle3", [9], aux_ids=cfg.aux_layer_ids)
+    b = pack([s], 8)
+    ids, hid, pos = b["input_ids"], b["hidden"], b.position_ids
+    outs = drafter.unroll(ids, hid, pos, b.seq_ids, num_steps=3)
+    with torch.no_grad():
+        out0, _, kv0 = drafter.step(ids, drafter.fc(hid), pos)
+        torch.testing.assert_close(outs[0][0], out0)
+        g_mask = drafter.fc(drafter.mask_hidden)
+        for t in range(6):
+            # One forward over two mask slots at positions t+1, t+2 behind the step-0 cache of 0..t.
+            past = [tuple(x[:, :, : t + 1] for x in kv0)]
+            mask_ids = torch.full((1, 2), cfg.mask_token_id)
+            causal = torch.ones(2, t + 3, dtype=torch.bool).tril(t + 1)[None]
+            out, _, _ = drafter.step(mask_ids, g_mask.expand(1, 2, -1), pos[:, t: t + 1] + torch.tensor([[1, 2]]),
+                                     causal, None, past)
+            for j in (1, 2):
+                torch.testing.assert_close(outs[j][0][:, t], out[:, j - 1], atol=1e-5, rtol=1e-5)
+    # The later steps read no draft: changing the tokens after t leaves them alone.
+    other = ids.clone()
+    other[:, 4:] = (other[:, 4:] + 1) % VOCAB
+    with torch.no_grad():
+        changed = drafter.unroll(other, hid, pos, b.seq_ids, num_steps=3)
+    torch.testing.assert_close(changed[2][0][:, 2], outs[2][0][:, 2])
+
+
+def test_parallel_drafting_config_export_and_round_trip(target, tmp_path):
+    with pytest.raises(ValueError, match="parallel_drafting: only for kind='eagle3'"):
+        DrafterConfig.from_target(target.config, kind="eagle", parallel_drafting=True)
+    with pytest.raises(ValueError, match="mask_token_id=320"):
+        DrafterConfig.from_target(target.config, kind="eagle3", parallel_drafting=True).replace(mask_token_id=VOCAB)
+    drafter = drafter_for(target, "eagle3", parallel_drafting=True)
+    folder = export_drafter(drafter, tmp_path / "p")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["mask_token_id"] == VOCAB - 1 and cfg["tlt_drafter"]["parallel_drafting"] is True
+    assert load_file(str(folder / "model.safetensors"))["mask_hidden"].shape == (192,)
+    loaded = load_drafter(folder, target.config, *target_tensors(target))
+    assert loaded.cfg.parallel_drafting and torch.equal(loaded.mask_hidden, drafter.mask_hidden)
+    assert _same_outputs(drafter, loaded, target, "eagle3")
+
+
 def test_eagle3_multi_step_loss_decreases_on_tiny_overfit():
     # A random target at the usual init is almost uniform (the loss floor, its entropy, is then
     # ~log V); a wider init gives it a peaked next-token distribution worth fitting.

@@ -85,11 +85,8 @@ def _child(spec: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def models(assets):
-    from tlt_verl.task.warm_drafter import prepare_warm_drafter
-
-    root = Path(assets["model"]).parent
-    return {"target": str(assets["model"]), "drafter": str(prepare_warm_drafter(root))}
+def models(assets, warm_drafter):
+    return {"target": str(assets["model"]), "drafter": str(warm_drafter)}
 
 
 @pytest.fixture(scope="module")

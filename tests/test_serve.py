@@ -24,15 +24,13 @@ STEP = 3
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def write_verl_step(assets: dict, ckpt_root: Path, step: int = STEP) -> Path:
+def write_verl_step(assets: dict, warm: Path, ckpt_root: Path, step: int = STEP) -> Path:
     """``ckpt_root/global_step_N`` as verl 0.9.1 writes it for one FSDP rank (the merger reads a
     world-size-1 checkpoint's plain tensors as the full ones), with the warm drafter's checkpoint
     as rank 0's TLT drafter."""
     from transformers import AutoModelForCausalLM
 
-    model, warm = Path(assets["model"]), Path(assets["root"]) / "warm_drafter"
-    if not (warm / "checkpoints").is_dir():
-        pytest.skip(f"{warm}: no warm drafter (./tlt run builds it once)")
+    model = Path(assets["model"])
     step_dir = ckpt_root / f"global_step_{step}"
     actor = step_dir / "actor"
     (actor / "huggingface").mkdir(parents=True)
@@ -46,13 +44,13 @@ def write_verl_step(assets: dict, ckpt_root: Path, step: int = STEP) -> Path:
 
 
 @pytest.fixture(scope="module")
-def exported(assets, tmp_path_factory):
+def exported(assets, warm_drafter, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("serve_run")
     ckpt = run_dir / "checkpoints" / "tlt" / "tiny_cpu_grpo"
-    step_dir = write_verl_step(assets, ckpt)
+    step_dir = write_verl_step(assets, warm_drafter, ckpt)
     folder = export_step(step_dir, ckpt / "tlt" / "export", acceptance={"step": STEP, "acceptance_length": 2.5},
                          serve=ServeHints(dtype="float32", max_model_len=1536, num_speculative_tokens=3))
-    return {"run_dir": run_dir, "ckpt": ckpt, "step_dir": step_dir, "folder": folder}
+    return {"run_dir": run_dir, "ckpt": ckpt, "step_dir": step_dir, "folder": folder, "warm": warm_drafter}
 
 
 def test_export_holds_the_policy_and_its_drafter_with_a_manifest(assets, exported):
@@ -76,7 +74,7 @@ def test_export_holds_the_policy_and_its_drafter_with_a_manifest(assets, exporte
     for k, v in sft.items():
         assert policy[k].dtype == torch.bfloat16 and torch.equal(policy[k], v.bfloat16()), k
     # The drafter is the checkpoint's: the warm drafter's own export holds the same weights.
-    warm = load_file(str(Path(assets["root"]) / "warm_drafter" / "model.safetensors"))
+    warm = load_file(str(exported["warm"] / "model.safetensors"))
     mine = load_file(str(export.drafter("vllm") / "model.safetensors"))
     assert mine.keys() == warm.keys() and all(torch.equal(mine[k], warm[k]) for k in warm)
     assert latest_export(exported["run_dir"]).folder == folder

@@ -492,7 +492,8 @@ def test_lossy_acceptance_options_refused():
                 {"rejection_sample_method": "block"},
                 {"acceptance_method": "typical_acceptance_sampler"},
                 {"posterior_threshold": 0.09},
-                {"typical_acceptance_sampler_posterior_threshold": 0.09}):
+                {"typical_acceptance_sampler_posterior_threshold": 0.09},
+                {"method": "eagle3", "parallel_drafting": True}):
         with pytest.raises(ValueError) as e:
             check_speculative_config(bad)
         assert "\n" not in str(e.value)

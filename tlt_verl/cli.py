@@ -49,7 +49,8 @@ def _drafter(args) -> int:
         if args.drafter_cmd == "warmup":
             from tlt_verl.drafter.warmup import WarmupConfig, run_warmup
 
-            run_warmup(WarmupConfig(target=args.target, out=args.out, kind=args.kind, init=args.init,
+            run_warmup(WarmupConfig(target=args.target, out=args.out, kind=args.kind,
+                                    parallel_drafting=args.parallel_drafting, init=args.init,
                                     budget_s=args.budget_s, max_steps=args.max_steps, num_prompts=args.prompts,
                                     max_new_tokens=args.max_new_tokens, generator=args.generator,
                                     layout=args.layout))
@@ -122,6 +123,8 @@ def _add_drafter_parser(sub) -> None:
     w.add_argument("--target", required=True, help="HF target model directory")
     w.add_argument("--out", required=True, help="output folder (exported drafter + checkpoints)")
     w.add_argument("--kind", choices=["eagle", "eagle3"], default="eagle")
+    w.add_argument("--parallel-drafting", action="store_true",
+                   help="eagle3: train for vLLM's parallel drafting (all k drafts from one drafter forward)")
     w.add_argument("--budget-s", type=float, default=600.0, help="training wall-clock budget")
     w.add_argument("--max-steps", type=int, default=None)
     w.add_argument("--init", default=None, help="an existing EAGLE drafter folder to start from")

@@ -58,6 +58,11 @@ class DrafterConfig:
     # EAGLE-3 only.
     aux_layer_ids: tuple[int, ...] = ()
     draft_vocab_size: int | None = None  # None: the full target vocabulary
+    # EAGLE-3 with parallel drafting (vLLM's speculative_config.parallel_drafting): all k drafts
+    # from one drafter forward. Positions after the last real token read `mask_token_id` and a
+    # learned `mask_hidden` feature instead of the previous draft.
+    parallel_drafting: bool = False
+    mask_token_id: int | None = None
 
     def __post_init__(self):
         def need(cond: bool, msg: str):
@@ -95,6 +100,13 @@ class DrafterConfig:
             dv = self.draft_vocab_size
             need(dv is None or (isinstance(dv, int) and 0 < dv <= self.vocab_size),
                  f"draft_vocab_size={dv}: must be in [1, vocab_size={self.vocab_size}]")
+        if self.parallel_drafting:
+            need(self.kind == "eagle3", "parallel_drafting: only for kind='eagle3'")
+            m = self.mask_token_id
+            need(isinstance(m, int) and 0 <= m < self.vocab_size,
+                 f"mask_token_id={m!r}: parallel drafting needs a token id in [0, {self.vocab_size - 1}]")
+        else:
+            need(self.mask_token_id is None, "mask_token_id: only with parallel_drafting")
 
     @property
     def num_aux(self) -> int:
@@ -117,7 +129,8 @@ class DrafterConfig:
     def from_target(cls, target: Any, kind: str = "eagle", *,
                     aux_layer_ids: tuple[int, ...] | list[int] | None = None,
                     draft_vocab_size: int | None = None,
-                    attention_bias: bool = False) -> "DrafterConfig":
+                    attention_bias: bool = False,
+                    parallel_drafting: bool = False) -> "DrafterConfig":
         """The drafter for ``target`` (an HF ``Qwen2Config`` / ``LlamaConfig``): its widths,
         heads, vocabulary and rope base, with one decoder layer."""
         model_type = getattr(target, "model_type", None)
@@ -149,6 +162,9 @@ class DrafterConfig:
             attention_bias=attention_bias,
             aux_layer_ids=tuple(aux_layer_ids or ()),
             draft_vocab_size=draft_vocab_size,
+            parallel_drafting=parallel_drafting,
+            # The last id: a mask slot is told apart by its learned feature, not by the token.
+            mask_token_id=target.vocab_size - 1 if parallel_drafting else None,
         )
 
 

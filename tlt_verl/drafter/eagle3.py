@@ -8,7 +8,10 @@ One step, as vLLM's ``Eagle3LlamaForCausalLM`` (``llama_eagle3.py``) runs it:
     r     = g + attn(x);   pre = r + mlp(post_attention_layernorm(r))
     out   = norm(pre)  -> lm_head -> draft-vocab logits;   pre -> next step's g
 
-Later draft steps skip ``fc``: their hidden input is the previous step's ``pre``.
+Later draft steps skip ``fc``: their hidden input is the previous step's ``pre``. With parallel
+drafting (``cfg.parallel_drafting``, vLLM's ``parallel_drafting``) they do not chain: every later
+step reads the mask token and ``fc(mask_hidden)``, a learned feature, so vLLM computes all k drafts
+in one forward over the last real position followed by k - 1 mask positions.
 
 Unrolling (training-time test). Slot t of step j stands for the draft at position t + j of a
 chain that started from the target's features at position t: it reads token x_{t+j+1} and the
@@ -69,6 +72,9 @@ class Eagle3Drafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab, bias=False)
         init_weights(self)
+        if cfg.parallel_drafting:
+            # vLLM's buffer has the width of fc's input; it goes through fc like target features.
+            self.mask_hidden = nn.Parameter(torch.randn(cfg.fc_in_features) * 0.02)
         self.target = TargetTensors(embed_weight, lm_head_weight)
         # The first draft_vocab ids until set_draft_vocab picks the frequent ones; vLLM reads
         # d2t only for a reduced vocabulary (export leaves both maps out otherwise).
@@ -116,14 +122,19 @@ class Eagle3Drafter(nn.Module):
         """Training-time test over packed rows: per step j, (normed output [B, S, H], valid [B, S])
         where ``valid`` marks slots whose position t + j is still inside their sample.
 
-        Step j's token at slot t is x_{t+j+1} (ids shifted within the sample); its keys are the
-        block-causal step-0 keys plus the diagonal (same slot) keys of steps 1..j."""
+        Step j's token at slot t is x_{t+j+1} (ids shifted within the sample), or with parallel
+        drafting the mask token; its keys are the block-causal step-0 keys plus the diagonal (same
+        slot) keys of steps 1..j, which is what vLLM's attention sees in either mode."""
         mask0 = block_causal_mask(seq_ids)
         eye = torch.eye(seq_ids.shape[-1], dtype=torch.bool, device=seq_ids.device).expand_as(mask0)
         g = self.fc(hidden.to(self.fc.weight.dtype))
+        parallel = self.cfg.parallel_drafting
         past, outs = [], []
         for j in range(num_steps):
             ids_j, valid = shift_within_samples(input_ids, seq_ids, j)
+            if parallel and j > 0:
+                ids_j = torch.full_like(ids_j, self.cfg.mask_token_id)
+                g = self.fc(self.mask_hidden.to(self.fc.weight.dtype)).expand_as(g)
             mask = torch.cat([mask0] + [eye] * j, dim=-1)
             out, g, kv = self.step(ids_j, g, position_ids + j, mask, None, past)
             past.append(kv)

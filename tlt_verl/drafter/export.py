@@ -66,8 +66,12 @@ def drafter_config_json(cfg: DrafterConfig, layout: Layout, dtype: torch.dtype) 
         out.update(draft_vocab_size=cfg.draft_vocab, target_hidden_size=cfg.target_hidden_size,
                    norm_before_residual=False, eagle_aux_hidden_state_layer_ids=ids,
                    eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True})
+    if cfg.parallel_drafting:
+        # vLLM reads the mask slots' token here; the folder is served with parallel_drafting on.
+        out["mask_token_id"] = cfg.mask_token_id
     # Engines ignore this; load_drafter uses it to check the target.
-    out["tlt_drafter"] = {"kind": cfg.kind, "target_num_layers": cfg.target_num_layers}
+    out["tlt_drafter"] = {"kind": cfg.kind, "target_num_layers": cfg.target_num_layers,
+                          "parallel_drafting": cfg.parallel_drafting}
     return out
 
 
@@ -153,7 +157,22 @@ def read_drafter_config(path: str | Path, target_config) -> DrafterConfig:
         max_position_embeddings=d.get("max_position_embeddings", 4096),
         hidden_act=d.get("hidden_act", "silu"), attention_bias=bool(d.get("attention_bias", False)),
         aux_layer_ids=tuple(aux), draft_vocab_size=draft_vocab,
+        parallel_drafting=parallel_drafting(d), mask_token_id=d.get("mask_token_id") if parallel_drafting(d) else None,
     )
+
+
+def parallel_drafting(config_json: dict) -> bool:
+    """Whether a drafter folder's config.json was trained for parallel drafting (an engine must
+    then serve it with speculative_config.parallel_drafting)."""
+    return bool((config_json.get("tlt_drafter") or {}).get("parallel_drafting"))
+
+
+def folder_parallel_drafting(folder: str | Path) -> bool:
+    """`parallel_drafting` of a drafter folder (False for a folder without our config)."""
+    try:
+        return parallel_drafting(json.loads((Path(folder) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False
 
 
 def _normalise_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

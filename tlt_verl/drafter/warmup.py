@@ -45,6 +45,7 @@ class WarmupConfig:
     target: str
     out: str
     kind: str = "eagle"
+    parallel_drafting: bool = False    # eagle3 only: all k drafts from one forward (DrafterConfig)
     init: str | None = None            # an EAGLE folder to start from (warm start)
     budget_s: float = 600.0            # training wall clock (generation and capture excluded)
     max_steps: int | None = None
@@ -67,6 +68,7 @@ class WarmupConfig:
         need(self.kind in KINDS, f"kind={self.kind!r}: must be one of {', '.join(KINDS)}")
         need(self.generator in GENERATORS, f"generator={self.generator!r}: must be one of {', '.join(GENERATORS)}")
         need((self.layout, self.kind) in LAYOUTS, f"layout={self.layout!r}: must be vllm or sglang")
+        need(not self.parallel_drafting or self.kind == "eagle3", "parallel_drafting: only with kind='eagle3'")
         need(self.budget_s > 0, f"budget_s={self.budget_s}: must be > 0")
         need(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps}: must be >= 1")
         need(self.num_prompts >= 2, f"num_prompts={self.num_prompts}: must be >= 2")
@@ -169,7 +171,7 @@ def run_warmup(cfg: WarmupConfig, log: Callable[[str], None] = print) -> dict:
     target_dir = check_model_dir(cfg.target, "--target")
     # Everything checkable from configs is checked before any weights load or tokens are sampled.
     target_config = AutoConfig.from_pretrained(target_dir)
-    dcfg = DrafterConfig.from_target(target_config, kind=cfg.kind)
+    dcfg = DrafterConfig.from_target(target_config, kind=cfg.kind, parallel_drafting=cfg.parallel_drafting)
     if cfg.init is not None:
         init_kind = read_drafter_config(check_model_dir(cfg.init, "--init"), target_config).kind
         if init_kind != cfg.kind:
@@ -267,7 +269,8 @@ def checkpoint_drafter(loaded, target_dir: str | Path):
     saved = DrafterConfig(**{**d, "aux_layer_ids": tuple(d["aux_layer_ids"])})
     tc = AutoConfig.from_pretrained(target_dir)
     fits = DrafterConfig.from_target(tc, kind=saved.kind, aux_layer_ids=saved.aux_layer_ids or None,
-                                     draft_vocab_size=saved.draft_vocab_size, attention_bias=saved.attention_bias)
+                                     draft_vocab_size=saved.draft_vocab_size, attention_bias=saved.attention_bias,
+                                     parallel_drafting=saved.parallel_drafting)
     diff = [k for k in asdict(saved) if getattr(saved, k) != getattr(fits, k)
             and k not in ("max_position_embeddings",)]
     if diff:
