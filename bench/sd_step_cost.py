@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -119,6 +120,11 @@ def breakdown(calls: dict, wall_s: float, generated: int, batch: int) -> dict:
     }
 
 
+def by_round(rounds: list[dict], arms: list[str], sizes: list[int], base: str) -> dict:
+    return {a: {str(b): sorted(x["arms"][a][str(b)]["step_ms"] / x["arms"][base][str(b)]["step_ms"] for x in rounds)
+                for b in sizes} for a in arms}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "bench/results/sd_step_cost.json"))
@@ -209,7 +215,11 @@ def main(argv=None) -> int:
         "speed_over_plain": {a: {b: best[a][b]["tokens_per_s"] / best["plain"][b]["tokens_per_s"] for b in best[a]}
                              for a in arms} if "plain" in arms else None,
         "per_round": rounds,
-        "host": {"machine": platform.machine(), "python": platform.python_version(), **portable_settings()},
+        # Each round's step over the plain and the EAGLE-1 arm's (same round, same prompts), sorted:
+        # the spread behind the ratios above.
+        **{f"step_over_{base}_by_round": by_round(rounds, arms, sizes, base) for base in ("plain", "eagle") if base in arms},
+        "host": {"cpus": len(os.sched_getaffinity(0)), "machine": platform.machine(), "loadavg_at_end": os.getloadavg()},
+        "args": portable_settings(vars(args)),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
