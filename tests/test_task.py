@@ -378,13 +378,33 @@ def test_two_preparers_of_one_folder_build_it_once(tmp_path):
     assert (tmp_path / "sft_model" / "weights").read_text() == "w"
 
 
+def test_an_sft_model_stopped_by_its_cap_is_built_again(tmp_path, monkeypatch):
+    """A model the wall-clock cap stopped short of max_steps serves the run that built it, but is
+    not reused: the next prepare trains it again."""
+    runs = []
+
+    def capped_train_sft(tokenizer, out_dir, cfg, spec, log=print):
+        runs.append(out_dir)
+        (out_dir / "config.json").write_text("{}")
+        return {"steps": cfg.max_steps - 1 if len(runs) == 1 else cfg.max_steps}
+
+    monkeypatch.setattr(prepare_mod, "train_sft", capped_train_sft)
+    settings = prepare_mod.PrepareSettings(n_train=32, n_val=8)
+    first = prepare_mod.prepare(tmp_path, settings=settings, log=lambda *_: None)
+    assert first["report"]["model"]["status"] == "built" and (first["model"] / "config.json").exists()
+    second = prepare_mod.prepare(tmp_path, settings=settings, log=lambda *_: None)
+    assert second["report"]["model"]["status"] == "built" and len(runs) == 2
+    third = prepare_mod.prepare(tmp_path, settings=settings, log=lambda *_: None)
+    assert third["report"]["model"]["status"] == "cached" and len(runs) == 2
+
+
 def test_prepare_builds_once_then_caches(tmp_path, monkeypatch):
     calls = []
 
     def fake_train_sft(tokenizer, out_dir, cfg, spec, log=print):
         calls.append(out_dir)
         (out_dir / "config.json").write_text("{}")
-        return {"steps": 0}
+        return {"steps": cfg.max_steps}
 
     monkeypatch.setattr(prepare_mod, "train_sft", fake_train_sft)
     settings = prepare_mod.PrepareSettings(n_train=32, n_val=8)

@@ -147,12 +147,15 @@ def _one_builder(target: Path):
         os.close(fd)
 
 
-def build_stage(target: Path, settings: dict, build: Callable[[Path], dict]) -> tuple[str, dict]:
-    """``target`` as ``settings`` make it: ("cached", its stamp) when its stamp matches, else
-    ("built", the new stamp) after ``build(tmp_dir)`` and one rename."""
+def build_stage(target: Path, settings: dict, build: Callable[[Path], dict],
+                complete: Callable[[dict], bool] = lambda info: True) -> tuple[str, dict]:
+    """``target`` as ``settings`` make it: ("cached", its stamp) when its stamp matches and
+    ``complete(its info)`` holds, else ("built", the new stamp) after ``build(tmp_dir)`` and one
+    rename. An artifact that is usable but short of its settings (an SFT run stopped by its
+    wall-clock cap on a busy machine) serves the run that built it and is built again next time."""
     with _one_builder(target):
         stamp = _read_stamp(target)
-        if stamp is not None and stamp.get("hash") == _hash(settings):
+        if stamp is not None and stamp.get("hash") == _hash(settings) and complete(stamp.get("info") or {}):
             return "cached", stamp
         return "built", _build_atomically(target, build, settings)
 
@@ -189,12 +192,13 @@ def prepare(root: Path, force: bool = False, settings: PrepareSettings | None = 
     }
     report: dict[str, dict] = {}
 
-    def run_stage(name: str, target: Path, build: Callable[[Path], dict]) -> None:
+    def run_stage(name: str, target: Path, build: Callable[[Path], dict],
+                  complete: Callable[[dict], bool] = lambda info: True) -> None:
         if force:
             with _one_builder(target):
                 status, stamp = "built", _build_atomically(target, logged(name, target, build), stages[name])
         else:
-            status, stamp = build_stage(target, stages[name], logged(name, target, build))
+            status, stamp = build_stage(target, stages[name], logged(name, target, build), complete)
         report[name] = {"status": status, "elapsed_s": stamp["elapsed_s"], "info": stamp.get("info", {})}
         if status == "cached":
             log(f"prepare: {name}: up to date ({target}), built in {stamp['elapsed_s']}s earlier")
@@ -230,7 +234,10 @@ def prepare(root: Path, force: bool = False, settings: PrepareSettings | None = 
     def build_model(tmp: Path) -> dict:
         return train_sft(tok, tmp, settings.sft, settings.model, log=log)
 
-    run_stage("model", paths["model"], build_model)
+    # All its updates: a model the wall-clock cap stopped early is a weaker one (at 2,715 of 4,000
+    # updates 16% of well-formed answers were right against the 30-97% the tests expect).
+    run_stage("model", paths["model"], build_model,
+              complete=lambda info: info.get("steps", settings.sft.max_steps) >= settings.sft.max_steps)
     paths["report"] = report
     return paths
 

@@ -267,7 +267,7 @@ def train_sft(
     log(f"sft: finished {step} steps, {seen_tokens:,} tokens in {train_s:.0f}s")
     if step < cfg.max_steps:
         log(f"sft: warning: stopped by budget_s={cfg.budget_s:.0f} after {step} of {cfg.max_steps} updates "
-            f"(busy CPU?); expect a weaker model")
+            f"(busy CPU?); expect a weaker model, built again by the next ./tlt run or ./tlt prepare")
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
