@@ -501,15 +501,18 @@ def test_warm_drafter_is_built_once_per_sft_model(tmp_path):
     stamp = {"hash": "m1", "elapsed_s": 1.0}
     model.mkdir()
     (model / prepare_mod.STAMP_NAME).write_text(json.dumps(stamp))
-    settings = {**warm_drafter.SETTINGS, "target": "m1"}
+    settings = warm_drafter.settings_for(stamp)
     drafter.mkdir()
     (drafter / prepare_mod.STAMP_NAME).write_text(json.dumps({"hash": prepare_mod._hash(settings), "elapsed_s": 180.0}))
     said = []
     assert warm_drafter.prepare_warm_drafter(tmp_path, log=said.append) == drafter
     assert "up to date" in said[0]
-    # A new SFT model makes it stale: the build starts (and fails here on the stand-in model,
-    # leaving the cached folder as it was: the build is atomic).
-    (model / prepare_mod.STAMP_NAME).write_text(json.dumps({**stamp, "hash": "m2"}))
-    with pytest.raises(Exception):
-        warm_drafter.prepare_warm_drafter(tmp_path, log=said.append)
-    assert "building" in said[-1] and (drafter / prepare_mod.STAMP_NAME).is_file()
+    # A new SFT model makes it stale, and so does the same settings' model trained again (another
+    # build: other weights): the build starts (and fails here on the stand-in model, leaving the
+    # cached folder as it was: the build is atomic).
+    for new_model in ({**stamp, "hash": "m2"}, {**stamp, "elapsed_s": 2.0}):
+        (model / prepare_mod.STAMP_NAME).write_text(json.dumps(new_model))
+        said.clear()
+        with pytest.raises(Exception):
+            warm_drafter.prepare_warm_drafter(tmp_path, log=said.append)
+        assert "building" in said[-1] and (drafter / prepare_mod.STAMP_NAME).is_file()

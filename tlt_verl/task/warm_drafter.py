@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tlt_verl.task.prepare import _read_stamp, build_stage
+from tlt_verl.task.prepare import _hash, _read_stamp, build_stage
 
 DIRNAME = "warm_drafter"
 # Generation through vLLM (about 90 s here, where HF generate would take several minutes), then a
@@ -22,6 +22,13 @@ SETTINGS = {"kind": "eagle", "max_steps": 800, "budget_s": 600.0, "num_prompts":
             "generator": "vllm"}
 
 
+def settings_for(model_stamp: dict) -> dict:
+    """The warm drafter's cache key: its settings and the SFT model build it was trained on (the
+    whole stamp, not only the model's settings: a model trained again with the same settings, say
+    after a capped run, has other weights)."""
+    return {**SETTINGS, "target": _hash(model_stamp)}
+
+
 def prepare_warm_drafter(root: Path, log=print) -> Path:
     """The exported drafter folder under ``root`` (the assets folder), built if missing or stale."""
     from tlt_verl.drafter.warmup import WarmupConfig, run_warmup
@@ -31,7 +38,7 @@ def prepare_warm_drafter(root: Path, log=print) -> Path:
     model_stamp = _read_stamp(model)
     if model_stamp is None:
         raise ValueError(f"{model}: no finished SFT model (run ./tlt prepare first)")
-    settings = {**SETTINGS, "target": model_stamp["hash"]}
+    settings = settings_for(model_stamp)
 
     def build(tmp: Path) -> dict:
         log(f"prepare: warm drafter: building {target} (about 3 minutes, once)")
