@@ -75,13 +75,9 @@ class AdaptiveRolloutConfig:
 
     def speculative_config(self, max_num_seqs: int) -> dict[str, Any]:
         """vLLM's speculative_config: started at the largest arm, with a run-time schedule."""
-        from tlt_verl.drafter.export import folder_parallel_drafting
-
         spec = {"method": METHODS[self.method], "model": self.drafter, "num_speculative_tokens": self.max_k,
                 # The policy replaces this at once; vLLM needs one at start to build its lookup.
                 "num_speculative_tokens_per_batch_size": [[1, max_num_seqs, self.max_k]]}
-        if folder_parallel_drafting(self.drafter):
-            spec["parallel_drafting"] = True   # refused below until that path is shown lossless
         check_speculative_config(spec)
         return spec
 

@@ -57,11 +57,7 @@ def speculative_config(export: Export, k: int) -> dict:
     if folder is None:
         raise ServeError(f"{export.folder}: this export has no drafter in vLLM's layout (a run without TLT); "
                          f"serve it with --no-drafter")
-    from tlt_verl.drafter.export import folder_parallel_drafting
-
     spec = {"method": METHODS[export.manifest["drafter"]["kind"]], "model": str(folder), "num_speculative_tokens": k}
-    if folder_parallel_drafting(folder):
-        spec["parallel_drafting"] = True       # refused below until that path is shown lossless
     check_speculative_config(spec)
     return spec
 
