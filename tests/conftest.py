@@ -10,6 +10,7 @@ from tlt_verl.utils.own_ray import OwnRay
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VERL_PLATFORM", "cpu")
 
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     """The task's tokenizer, data and SFT model, from the project's cache (built once if missing)."""
