@@ -167,6 +167,24 @@ def test_reward_does_not_favour_the_arm_that_met_the_larger_batch():
     assert 60 / plain(60) > 18 * 2.2 / (1.8 * plain(18))
 
 
+
+def test_replicas_pool_into_one_summary():
+    """verl's metrics pool the replicas' summaries: a replica that only decoded plainly (its tail
+    stayed above the threshold) adds decode steps and tokens, not an acceptance length of 0. Found
+    in a TLT run: weighting each replica's rate by its decode steps reported 0.96."""
+    from tlt_verl.rollout.engine.sd_loop import pool, summarize
+
+    accepted = StepMetric(batch=2, k=2, prefill_reqs=0, drafted_reqs=2, draft_tokens=4, accepted_per_pos=(2, 1),
+                          emitted=5, step_s=0.02)
+    drafting = summarize([accepted, _step(4, 0, 4, 0.01)])
+    plain = summarize([_step(8, 0, 8, 0.01)] * 3)
+    assert drafting["acceptance_length"] == pytest.approx(2.5) and plain["acceptance_length"] == 0.0
+    both = pool([drafting, plain])
+    assert both["acceptance_length"] == pytest.approx(2.5)
+    assert both["sd_step_share"] == pytest.approx(1 / 5)
+    assert both["decode_tokens_per_s"] == pytest.approx((5 + 4 + 24) / 0.06)
+    assert pool([plain])["acceptance_length"] == 0.0 and pool([])["decode_steps"] == 0.0
+
 # ---------------------------------------------------------------------------------------------
 # Engine side (runs in the subprocess)
 

@@ -31,6 +31,7 @@ from verl.utils.debug import marked_timer
 from tlt_verl.integration.config import TLTConfig
 from tlt_verl.rollout.engine import NAME
 from tlt_verl.rollout.engine.replica import server_actor_name
+from tlt_verl.rollout.engine.sd_loop import pool
 from tlt_verl.rollout.policy.sd_policy import sd_policy_pulls
 from tlt_verl.serve.export import DRAFTER_SUBDIR, EXPORT_DIR, STEP_PREFIX, ServeHints, export_step, prune_exports
 from tlt_verl.spot.coordinator import ReplicaSlot, SpotCoordinator
@@ -190,11 +191,10 @@ class TLTTrainer(PPOTrainerSync):
         r = self._tlt_rollout
         out = {f"tlt/spot/{k}": float(v) for k, v in r.items() if isinstance(v, (int, float))}
         summaries = ray.get([s.take_sd_summary.remote() for s in self._tlt_servers])
-        steps = sum(s.get("decode_steps", 0) for s in summaries)
-        if steps:
-            w = [s.get("decode_steps", 0) / steps for s in summaries]
+        pooled = pool(summaries)
+        if pooled["decode_steps"]:
             for key in ("sd_step_share", "acceptance_length", "decode_tokens_per_s"):
-                out[f"tlt/sd/{key}"] = sum(wi * s.get(key, 0.0) for wi, s in zip(w, summaries))
+                out[f"tlt/sd/{key}"] = pooled[key]
             self._tlt_rollout["acceptance_length"] = out["tlt/sd/acceptance_length"]
             # Of the drafter that served this step's rollout (pushed after the previous step).
             self._tlt_acceptance = {"step": self.global_steps, "acceptance_length": out["tlt/sd/acceptance_length"],

@@ -22,19 +22,35 @@ logger = logging.getLogger(__name__)
 
 
 def summarize(records: list[StepMetric]) -> dict[str, float]:
-    """SD share of decode steps, mean acceptance length, tokens per second of decode."""
+    """SD share of decode steps, mean acceptance length, tokens per second of decode; with the
+    counts they come from, so that `pool` can combine replicas."""
     decode = [m for m in records if m.prefill_reqs == 0 and m.batch > 0]
     sd = [m for m in decode if m.draft_tokens > 0]
-    drafted = sum(m.drafted_reqs for m in sd)
-    accepted = sum(sum(m.accepted_per_pos) for m in sd)
-    seconds = sum(m.step_s for m in decode)
+    counts = {"decode_steps": float(len(decode)), "sd_steps": float(len(sd)),
+              "draft_rounds": float(sum(m.drafted_reqs for m in sd)),
+              "accepted_drafts": float(sum(sum(m.accepted_per_pos) for m in sd)),
+              "decode_tokens": float(sum(m.emitted for m in decode)),
+              "decode_s": float(sum(m.step_s for m in decode))}
+    return {**counts, **_rates(counts)}
+
+
+def _rates(c: dict) -> dict[str, float]:
     return {
-        "decode_steps": float(len(decode)),
-        "sd_step_share": len(sd) / len(decode) if decode else 0.0,
+        "sd_step_share": c["sd_steps"] / c["decode_steps"] if c["decode_steps"] else 0.0,
         # 1 (the verified token) + accepted drafts per draft round, as vLLM counts it.
-        "acceptance_length": 1.0 + accepted / drafted if drafted else 0.0,
-        "decode_tokens_per_s": sum(m.emitted for m in decode) / seconds if seconds > 0 else 0.0,
+        "acceptance_length": 1.0 + c["accepted_drafts"] / c["draft_rounds"] if c["draft_rounds"] else 0.0,
+        "decode_tokens_per_s": c["decode_tokens"] / c["decode_s"] if c["decode_s"] > 0 else 0.0,
     }
+
+
+COUNTS = ("decode_steps", "sd_steps", "draft_rounds", "accepted_drafts", "decode_tokens", "decode_s")
+
+
+def pool(summaries: list[dict]) -> dict[str, float]:
+    """Several replicas' `summarize` as one: counts added, then the rates (a replica that drafted
+    nothing adds decode steps, not an acceptance of 0)."""
+    counts = {key: sum(s.get(key, 0.0) for s in summaries) for key in COUNTS}
+    return {**counts, **_rates(counts)}
 
 
 class AdaptiveSDLoop:
