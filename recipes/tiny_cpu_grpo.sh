@@ -20,7 +20,7 @@
 #     SFT model's habit of leaving out the answer line (tlt_verl/task/sft.py): reward 0.13 over
 #     the first 3 steps -> 0.51 over the last 3;
 #   - bypass mode takes the engine's log-probs as the old log-probs instead of recomputing
-#     them: exact here, since they equal the actor's (tests/test_grpo_e2e.py checks it).
+#     them: exact here, since they equal the actor's (tests/test_tlt_e2e.py checks it).
 #   MODEL=... TRAIN=... VAL=... bash recipes/tiny_cpu_grpo.sh trainer.total_training_steps=4
 set -euo pipefail
 : "${MODEL:?path of the HF model dir}" "${TRAIN:?train parquet}" "${VAL:?val parquet}"

@@ -1,18 +1,22 @@
-"""`+tlt.enable=true` on the stock tiny GRPO recipe: verl's trainer with the drafter, end to end.
+"""`+tlt.enable=true` on the stock tiny GRPO recipe: verl's trainer with the drafter, end to end,
+on one node and then across two.
 
-One run of 3 steps (checkpoints every step, the recipe's bypass mode) whose drafter process is
-SIGKILLed while it trains in step 3, then a resumed run to step 4 from verl's own checkpoint
-(`trainer.resume_mode=auto`) with bypass mode off, so that verl recomputes the old log-probs with
-the actor. Checked: the drafter trains in the long tail on drained replicas, on states captured
-from the actor update (verl ran no old log-prob pass), and is pushed; SD runs in the rollout and
-the engine's log-probs still equal the actor's (sampling stayed the policy's own); `tlt/...`
-metrics reach verl's metrics; the drafter's checkpoint sits in verl's step folder and the resumed
-run continues from it.
+One run of 3 steps on a local Ray (checkpoints every step, the recipe's bypass mode) whose drafter
+process is SIGKILLed while it trains in step 3, then a resumed run to step 4 from verl's own
+checkpoint (`trainer.resume_mode=auto`) on two Ray nodes started with docker/launch.sh (one trainer
+rank and one replica per node, the same world size), with bypass mode off, so that verl recomputes
+the old log-probs with the actor. Checked: the drafter trains in the long tail on drained
+replicas, on states captured from the actor update (verl ran no old log-prob pass), and is pushed;
+SD runs in the rollout and the engine's log-probs still equal the actor's (sampling stayed the
+policy's own); `tlt/...` metrics reach verl's metrics; the drafter's checkpoint sits in verl's step
+folder and the resumed run continues from it, on the other cluster's ranks.
 """
 import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -57,7 +61,7 @@ def _kill_drafter_in_step_3(run_dir, killed: dict, timeout_s: float = 1500) -> N
 
 
 @pytest.fixture(scope="module")
-def runs(assets, no_leftover_ray, tmp_path_factory):   # verl's local Ray in this module's own temp dir
+def runs(assets, no_leftover_ray, tmp_path_factory, request):   # verl's local Ray in this module's own temp dir
     run_dir = tmp_path_factory.mktemp("tlt_e2e")
     killed: dict = {}
     killer = threading.Thread(target=_kill_drafter_in_step_3, args=(run_dir, killed), daemon=True)
@@ -70,10 +74,19 @@ def runs(assets, no_leftover_ray, tmp_path_factory):   # verl's local Ray in thi
     m1 = _metrics(run_dir)
     log1 = (run_dir / "verl.log").read_text()
     ckpts = sorted(p.name for p in _ckpt_root(run_dir).glob("global_step_*"))
-    second = run(RunConfig(steps=4, run_dir=run_dir, quiet=True, assets_root=assets["root"],
-                           overrides=TLT + ["trainer.resume_mode=auto", "algorithm.rollout_correction.bypass_mode=False"]))
+    # The cluster starts once the local one has ended: its idle nodes would slow the first run.
+    c = request.getfixturevalue("two_node_cluster")
+    cmd = [*c["launch"], "submit", "--address", c["address"], "--nodes", "2", "--",
+           sys.executable, "-m", "tlt_verl.cli", "run", "--drafter", "scratch", "--steps", "4", "--run-dir", str(run_dir),
+           "trainer.nnodes=2", "trainer.n_gpus_per_node=1", *TLT,
+           "trainer.resume_mode=auto", "algorithm.rollout_correction.bypass_mode=False"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(c["env"], TLT_HOME=str(assets["root"].parent)),
+                         timeout=1500)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    second = json.loads((run_dir / "steps.json").read_text())
     return {"dir": run_dir, "m1": m1, "log1": log1, "killed": killed, "first": first, "ckpts": ckpts,
-            "second": second, "m2": _metrics(run_dir), "log2": (run_dir / "verl.log").read_text()}
+            "second": second, "m2": _metrics(run_dir), "log2": (run_dir / "verl.log").read_text(),
+            "stdout2": out.stdout, "cluster": c}
 
 
 def _ckpt_root(run_dir):
@@ -108,11 +121,32 @@ def test_tlt_run_completes_and_reports_tlt_metrics(runs):
 def test_sampling_stays_the_policys_own_with_sd_on(runs):
     """With bypass mode off, verl recomputes the sampled tokens' log-probs with the actor: with SD
     on (the resumed drafter, after the resumed target's weight sync) the engine's log-probs still
-    match them."""
+    match them. The resumed step samples with the weights loaded from step 3's checkpoint and
+    pushed to the engines, so a push that did not reach an engine shows up as a large difference."""
     for step, m in runs["m2"].items():
+        assert abs(m["actor/pg_loss"]) > 0 or m["actor/grad_norm"] > 0  # the actor moved
         assert m["training/rollout_probs_diff_valid"] == 1.0
         assert m["training/rollout_probs_diff_max"] < 2e-3, (step, m["training/rollout_probs_diff_max"])
+        assert m["training/rollout_probs_diff_mean"] < 1e-4
         assert m["training/rollout_actor_probs_pearson_corr"] > 0.999
+
+
+def test_resumed_run_spans_both_nodes(runs):
+    """docker/launch.sh's two nodes: one trainer rank per node (nnodes=2 x 1 slot), and each
+    replica's server beside its rank."""
+    assert "launch.sh: 2 nodes, 16 CPUs, 2 GPUs" in runs["stdout2"]
+    assert runs["second"]["summary"]["replicas"] >= 2
+    c = runs["cluster"]
+    # In a fresh process: Ray reads its authentication mode once, at import.
+    query = ("import json, ray; from ray.util.state import list_actors; ray.init(log_to_driver=False); "
+             "print(json.dumps([[a.class_name, a.node_id] for a in list_actors(limit=10000, detail=True)]))")
+    out = subprocess.run([sys.executable, "-c", query], capture_output=True, text=True, timeout=120,
+                         env=dict(c["env"], RAY_ADDRESS=c["address"]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    actors = json.loads(out.stdout.strip().splitlines()[-1])
+    nodes_of = lambda part: {node for name, node in actors if part in (name or "")}
+    assert len(nodes_of("WorkerDict")) == 2, actors
+    assert len(nodes_of("VllmServer")) == 2, actors
 
 
 def test_spot_timeline_shows_training_on_drained_replicas(runs):
