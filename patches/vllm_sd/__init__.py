@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 
 from tlt_verl.patches._guard import PatchError, require_version, when_imported
 
 VLLM_SPEC = "==0.30.0"
 WHAT = "vLLM speculative decoding patches"
-# Only for the tests that show the lossless checks fail without the fix.
-DISABLE_TEMPERATURE_FIX = "TLT_VLLM_DISABLE_TEMPERATURE_FIX"
 
 log = logging.getLogger(__name__)
 _applied = False
@@ -69,9 +66,8 @@ def _patches() -> list:
     if _needs_cpu_kernels():
         from tlt_verl.patches.vllm_sd import kernels, temperature
 
-        temperature_fix = os.environ.get(DISABLE_TEMPERATURE_FIX, "") not in ("1", "true", "yes")
         out += [("vllm.v1.sample.rejection_sampler", kernels.patch_rejection_sampler),
-                ("vllm.v1.sample.rejection_sampler", temperature.patch if temperature_fix else temperature.keep_vendor_kernel),
+                ("vllm.v1.sample.rejection_sampler", temperature.patch),
                 ("vllm.v1.spec_decode.utils", kernels.patch_spec_decode_utils)]
     return out
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from tlt_verl.patches._guard import require_attr
 from tlt_verl.patches.vllm_sd.launch import CpuLaunch, point
 
 WHAT = "vLLM-CPU speculative decoding temperature expand"
@@ -29,19 +28,3 @@ def expand(output, input, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKEN
 def patch(mod) -> None:
     point(mod, "_expand", CpuLaunch(expand), WHAT)
 
-
-def keep_vendor_kernel(mod) -> None:
-    """The fix switched off: launch vLLM's own CPU kernel, as its runner means to.
-
-    Pointing the dispatcher at `cpu_triton_utils.expand_kernel` as it is would fail on the name
-    of its second argument (`input_val`), so the call goes through a renaming adapter; the
-    kernel's behaviour is vLLM's.
-    """
-    import vllm.utils.cpu_triton_utils as cpu_tl
-
-    impl = require_attr(cpu_tl, "_expand_kernel_impl", WHAT)
-
-    def vendor_expand(output, input, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
-        impl(output, input, cu_num_tokens, replace_from, replace_to)
-
-    point(mod, "_expand", CpuLaunch(vendor_expand), WHAT)
