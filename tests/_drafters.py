@@ -1,8 +1,9 @@
-"""Test helpers: a tiny Llama target and EAGLE-1 drafters in vLLM's `eagle` layout (SD tests),
-the one-process reference of data-parallel drafter training (`Interleaved`), and random captured
-records for the drafter tests.
+"""Test helpers: a tiny Llama target and EAGLE-1 drafters in vLLM's `eagle` layout, and EAGLE-3
+parallel-drafting drafters (SD tests), the one-process reference of data-parallel drafter training
+(`Interleaved`), and random captured records for the drafter tests.
 
-Independent of tlt_verl.drafter on purpose: the SD tests check the engine, not the trainer.
+The SD tests' drafters are built by hand, not trained: the SD tests check the engine, not the
+trainer (the EAGLE-3 ones go through tlt_verl.drafter's export, the layout TLT serves).
 """
 from __future__ import annotations
 
@@ -89,6 +90,41 @@ def write_eagle1_drafter(target_dir: str, out_dir: str, *, bigram: bool, seed: i
         json.dump(cfg, f, indent=1)
     save_file({k: v.float().contiguous() for k, v in w.items()}, os.path.join(out_dir, "model.safetensors"))
     return out_dir
+
+
+def write_eagle3_parallel_drafter(target_dir: str, out_dir: str, *, bigram: bool, seed: int = 1,
+                                  sharpness: float = 6.0) -> str:
+    """An EAGLE-3 drafter for vLLM's parallel drafting (one forward drafts all k tokens): random,
+    or one whose first draft is the target's bigram guess, like `write_eagle1_drafter`'s.
+
+    EAGLE-3 reads the next token only through attention (its residual is fc of the target's aux
+    features). With fc = 0, q = `sharpness` x k = v = the normed embedding and o_proj = I, each
+    position attends to the positions holding its own token, so the layer returns that token's
+    normed embedding and the target's LM head proposes argmax lm_head . embed(x_{t+1}). Mask
+    positions likewise propose the bigram guess after the mask token: a fixed token, accepted when
+    the target happens to sample it, so later drafts are mostly rejected and resampled.
+    """
+    from transformers import AutoConfig
+
+    from tlt_verl.drafter import DrafterConfig, build_drafter
+    from tlt_verl.drafter.export import export_drafter
+
+    w = load_file(os.path.join(target_dir, "model.safetensors"))
+    cfg = DrafterConfig.from_target(AutoConfig.from_pretrained(target_dir), kind="eagle3", parallel_drafting=True)
+    torch.manual_seed(seed)
+    drafter = build_drafter(cfg, w["model.embed_tokens.weight"], w["lm_head.weight"])
+    if bigram:
+        h = cfg.hidden_size
+        attn = drafter.layers[0].self_attn
+        pick = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)   # the embedding half of cat(embed, g)
+        with torch.no_grad():
+            drafter.fc.weight.zero_()
+            attn.q_proj.weight.copy_(sharpness * pick)
+            attn.k_proj.weight.copy_(pick)
+            attn.v_proj.weight.copy_(pick)
+            attn.o_proj.weight.copy_(torch.eye(h))
+            drafter.layers[0].mlp.down_proj.weight.zero_()
+    return str(export_drafter(drafter, out_dir))
 
 
 def bigram_guess(target_dir: str) -> torch.Tensor:

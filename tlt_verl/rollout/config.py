@@ -75,11 +75,21 @@ class AdaptiveRolloutConfig:
 
     def speculative_config(self, max_num_seqs: int) -> dict[str, Any]:
         """vLLM's speculative_config: started at the largest arm, with a run-time schedule."""
-        spec = {"method": METHODS[self.method], "model": self.drafter, "num_speculative_tokens": self.max_k,
-                # The policy replaces this at once; vLLM needs one at start to build its lookup.
-                "num_speculative_tokens_per_batch_size": [[1, max_num_seqs, self.max_k]]}
-        check_speculative_config(spec)
-        return spec
+        # The policy replaces the schedule at once; vLLM needs one at start to build its lookup.
+        return drafter_speculative_config(self.drafter, self.method, self.max_k,
+                                          num_speculative_tokens_per_batch_size=[[1, max_num_seqs, self.max_k]])
+
+
+def drafter_speculative_config(folder: str, method: str, k: int, **extra: Any) -> dict[str, Any]:
+    """vLLM's speculative_config for an exported drafter folder, checked lossless: a drafter trained
+    for parallel drafting (`--parallel-drafting`) is served with it, all k drafts from one forward."""
+    from tlt_verl.drafter.export import folder_parallel_drafting
+
+    spec = {"method": METHODS[method], "model": str(folder), "num_speculative_tokens": k, **extra}
+    if folder_parallel_drafting(folder):
+        spec["parallel_drafting"] = True
+    check_speculative_config(spec)
+    return spec
 
 
 def vllm_capture_grid(max_size: int) -> list[int]:

@@ -37,16 +37,3 @@ def check_speculative_config(cfg: Mapping[str, Any] | None) -> None:
         if (cfg.get(key) or 0) > 0:
             raise ValueError(f"speculative_config: {key}={cfg[key]} accepts drafts above a posterior threshold, "
                              "which is lossy; leave it at 0")
-    if cfg.get("parallel_drafting") or _trained_for_parallel_drafting(cfg.get("model")):
-        # Measured for its cost (bench/sd_step_cost.py); the statistical tests of
-        # tests/test_vllm_sd_patches.py cover sequential drafting only so far.
-        raise ValueError("speculative_config: parallel_drafting (a drafter trained with --parallel-drafting) is not "
-                         "yet verified lossless on this stack; serve a sequential EAGLE drafter")
-
-
-def _trained_for_parallel_drafting(folder) -> bool:
-    if not folder:
-        return False
-    from tlt_verl.drafter.export import folder_parallel_drafting
-
-    return folder_parallel_drafting(folder)

@@ -50,16 +50,13 @@ def _on_gpu() -> bool:
 
 
 def speculative_config(export: Export, k: int) -> dict:
-    from tlt_verl.rollout.config import METHODS
-    from tlt_verl.rollout.lossless import check_speculative_config
+    from tlt_verl.rollout.config import drafter_speculative_config
 
     folder = export.drafter("vllm")
     if folder is None:
         raise ServeError(f"{export.folder}: this export has no drafter in vLLM's layout (a run without TLT); "
                          f"serve it with --no-drafter")
-    spec = {"method": METHODS[export.manifest["drafter"]["kind"]], "model": str(folder), "num_speculative_tokens": k}
-    check_speculative_config(spec)
-    return spec
+    return drafter_speculative_config(folder, export.manifest["drafter"]["kind"], k)
 
 
 def vllm_args(export: Export, cfg: ServeConfig, on_gpu: bool = False) -> list[str]:
