@@ -50,13 +50,11 @@ def round_prompts(target: str, n: int, rnd: int) -> list[list[int]]:
 
 async def run_engines(args) -> dict:
     from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     from tlt_verl.rollout.engine.offline import use_engine_env
     from tlt_verl.rollout.engine.sd_loop import AdaptiveSDLoop, summarize
-    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
+    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES, start_engine
     from tlt_verl.rollout.policy import AdaptiveSDPolicy, BanditConfig, SDPolicyConfig
 
     use_engine_env()
@@ -70,8 +68,8 @@ async def run_engines(args) -> dict:
     spec = {"method": args.method, "model": args.drafter, "num_speculative_tokens": max_k,
             "num_speculative_tokens_per_batch_size": [[1, args.max_num_seqs, max_k]]}
     t = time.time()
-    plain = AsyncLLM.from_engine_args(AsyncEngineArgs(**base))
-    sd = AsyncLLM.from_engine_args(AsyncEngineArgs(**base, speculative_config=spec))
+    plain = start_engine(base)
+    sd = start_engine({**base, "speculative_config": spec})
     log(f"engines up in {time.time() - t:.1f}s")
     policy = AdaptiveSDPolicy(SDPolicyConfig(threshold=args.threshold, steps_per_pull=args.steps_per_pull,
                                              bandit=BanditConfig(arms=arms, seed=args.seed)),

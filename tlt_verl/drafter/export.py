@@ -105,10 +105,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise ValueError(f"drafter {folder}: no model.safetensors or pytorch_model.bin")
 
 
-def read_drafter_config(path: str | Path, target_config) -> DrafterConfig:
-    """The drafter folder's config, checked against the target's; one-line ValueError naming the
-    first mismatch."""
-    folder = Path(path)
+def _config_and_kind(folder: Path) -> tuple[dict, str]:
     try:
         d = json.loads((folder / "config.json").read_text())
     except FileNotFoundError:
@@ -118,6 +115,19 @@ def read_drafter_config(path: str | Path, target_config) -> DrafterConfig:
     if kind is None:
         raise ValueError(f"drafter {folder}: architecture {arch!r} is not an EAGLE drafter "
                          f"(known: {', '.join(ARCHITECTURE_KINDS)})")
+    return d, kind
+
+
+def folder_kind(path: str | Path) -> str:
+    """The drafter kind (eagle, eagle3) of an exported folder, from its architecture."""
+    return _config_and_kind(Path(path))[1]
+
+
+def read_drafter_config(path: str | Path, target_config) -> DrafterConfig:
+    """The drafter folder's config, checked against the target's; one-line ValueError naming the
+    first mismatch."""
+    folder = Path(path)
+    d, kind = _config_and_kind(folder)
     if d.get("num_hidden_layers") != 1:
         raise ValueError(f"drafter {folder}: num_hidden_layers={d.get('num_hidden_layers')}, "
                          f"only one-layer drafters are supported")

@@ -48,7 +48,8 @@ def _build(cls, value: Any, option: str):
 
 @dataclass(frozen=True)
 class DrafterSection:
-    kind: str = "eagle"
+    # eagle (EAGLE-1) or eagle3; None: the kind of the init folder (eagle for scratch).
+    kind: Optional[str] = None
     # Where the first drafter comes from: an exported EAGLE folder (warm start), or "scratch"
     # (random, trained during RL). Required: a silent random default would look like TLT failing.
     init: Optional[str] = None
@@ -82,6 +83,23 @@ class SpotSection:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
 
 
+def _resolve_kind(d: DrafterSection) -> DrafterSection:
+    """The drafter kind: as given, else the init folder's; the buffer stores what that kind reads."""
+    found = None
+    if d.init not in (None, SCRATCH) and (Path(d.init) / "config.json").is_file():
+        from tlt_verl.drafter.export import folder_kind
+
+        try:
+            found = folder_kind(d.init)
+        except ValueError as e:
+            raise TLTConfigError(f"tlt.drafter.init={d.init}: {e}") from None
+    kind = d.kind or found or "eagle"
+    if found is not None and kind != found:
+        raise TLTConfigError(f"tlt.drafter.kind={kind}: tlt.drafter.init={d.init} is an {found} drafter "
+                             "(leave kind unset to take the folder's)")
+    return replace(d, kind=kind, buffer=replace(d.buffer, kind=kind))
+
+
 @dataclass(frozen=True)
 class TLTConfig:
     enable: bool = False
@@ -110,11 +128,9 @@ class TLTConfig:
         if "bandit" in sd:
             sd["bandit"] = _build(BanditConfig, sd["bandit"], "tlt.sd.bandit")
         section = _build(DrafterSection, drafter, "tlt.drafter")
-        if section.buffer.kind != section.kind:
-            # The buffer stores what the drafter kind reads: its kind is the drafter's.
-            section = replace(section, buffer=replace(section.buffer, kind=section.kind))
-        cfg = cls(enable=bool(block.get("enable", False)),
-                  drafter=section,
+        enable = bool(block.get("enable", False))
+        cfg = cls(enable=enable,
+                  drafter=_resolve_kind(section) if enable else section,
                   sd=_build(SDPolicyConfig, sd, "tlt.sd"),
                   spot=_build(SpotSection, block.get("spot"), "tlt.spot"),
                   export=_build(ExportConfig, block.get("export"), "tlt.export"))
