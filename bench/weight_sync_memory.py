@@ -60,7 +60,6 @@ def _write_target(out: Path, hidden: int, layers: int, vocab: int) -> Path:
 
 
 async def _run(args) -> dict:
-    import torch
     from safetensors.torch import load_file, save_file
     from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES, start_engine
     from tlt_verl.rollout.engine.weight_sync import send_weights

@@ -110,8 +110,32 @@ def test_tlt_on_several_nodes_needs_shared_absolute_folders(tmp_path, monkeypatc
     _check_shared_paths(shared, tlt)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "drafters" / "x").mkdir(parents=True)
-    (tmp_path / "drafters" / "x" / "config.json").write_text("{}")
+    (tmp_path / "drafters" / "x" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     with pytest.raises(ConfigError, match="tlt.drafter.init=drafters/x"):
         _check_shared_paths(shared, TLTConfig.from_dict({"enable": True, "drafter": {"init": "drafters/x"}}))
     # One node: a relative folder is made absolute by the check that uses it, not refused.
     _check_shared_paths(OmegaConf.create({"trainer": {"nnodes": 1, "default_local_dir": "checkpoints"}}), tlt)
+
+
+def test_drafter_kind_follows_the_init_folder(tmp_path):
+    from tlt_verl.integration.config import TLTConfig, TLTConfigError
+
+    def folder(name, arch):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(f'{{"architectures": ["{arch}"]}}')
+        return str(tmp_path / name)
+
+    e3, e1 = folder("e3", "LlamaForCausalLMEagle3"), folder("e1", "LlamaForCausalLM")
+
+    def drafter(**d):
+        return TLTConfig.from_dict({"enable": True, "drafter": d}).drafter
+
+    assert (drafter(init=e3).kind, drafter(init=e3).buffer.kind) == ("eagle3", "eagle3")
+    assert drafter(init=e1).kind == "eagle" and drafter(init="scratch").kind == "eagle"
+    assert drafter(init="scratch", kind="eagle3").buffer.kind == "eagle3"
+    with pytest.raises(TLTConfigError) as e:
+        drafter(init=e3, kind="eagle")
+    assert str(e.value) == f"tlt.drafter.kind=eagle: tlt.drafter.init={e3} is an eagle3 drafter (leave kind unset to take the folder's)"
+    with pytest.raises(TLTConfigError, match=r"tlt.drafter.init=.*architecture 'GPT2' is not an EAGLE drafter"):
+        drafter(init=folder("gpt", "GPT2"))
+

@@ -37,14 +37,17 @@ def _child(spec: dict) -> dict:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench.sd_threshold import task_prompt_source
+    from tlt_verl.drafter.export import folder_kind
+    from tlt_verl.rollout.config import drafter_speculative_config
     from tlt_verl.rollout.engine import sd_control
     from tlt_verl.rollout.engine.offline import offline_llm
 
     make, prompt_len = task_prompt_source(Path(spec["target"]))
     prompts = make(PROMPTS, 0)
     batch = PROMPTS * COPIES
-    sd = {"method": "eagle", "model": spec["drafter"], "num_speculative_tokens": K,
-          "num_speculative_tokens_per_batch_size": [[1, batch, K]]}
+    # The warm drafter as TLT serves it (EAGLE-3, parallel drafting: one forward drafts all k).
+    sd = drafter_speculative_config(spec["drafter"], folder_kind(spec["drafter"]), K,
+                                    num_speculative_tokens_per_batch_size=[[1, batch, K]])
     llm = offline_llm(spec["target"], speculative_config=sd, skip_tokenizer_init=True,
                       max_model_len=prompt_len + LONG + 2 * K, max_num_seqs=batch, max_num_batched_tokens=4096)
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner

@@ -62,7 +62,7 @@ def test_export_holds_the_policy_and_its_drafter_with_a_manifest(assets, exporte
     m = export.manifest
     assert m["step"] == STEP and m["acceptance"] == {"step": STEP, "acceptance_length": 2.5}
     assert m["serve"] == {"dtype": "float32", "max_model_len": 1536, "num_speculative_tokens": 3}
-    assert m["drafter"]["kind"] == "eagle" and m["drafter"]["rank"] == 0
+    assert m["drafter"]["kind"] == "eagle3" and m["drafter"]["rank"] == 0    # the warm drafter's
     listed = set(m["files"])
     on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {"manifest.json"}
     assert listed == on_disk and {"policy/model.safetensors", "drafter/vllm/model.safetensors",
@@ -112,7 +112,8 @@ def test_serve_bad_input_is_one_line(exported, tmp_path):
     # The command line it would run: vLLM's own server, the drafter as the speculative model.
     out = _cli("serve", str(exported["run_dir"]), "--port", "8123", "--dry-run", "--", "--max-num-seqs", "8")
     assert out.returncode == 0, out.stderr
-    spec = {"method": "eagle", "model": str(exported["folder"] / "drafter" / "vllm"), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "model": str(exported["folder"] / "drafter" / "vllm"), "num_speculative_tokens": 3,
+            "parallel_drafting": True}
     assert out.stdout.strip().startswith(f"vllm serve {exported['folder'] / 'policy'} --host 127.0.0.1 --port 8123")
     assert f"--speculative-config '{json.dumps(spec)}'" in out.stdout and "--dtype float32" in out.stdout
     assert out.stdout.strip().endswith("--max-num-seqs 8")
