@@ -413,6 +413,7 @@ def start_engine(args: dict):
     replica.engine_env) is applied by the worker when it starts, in-process too (vLLM's in-process
     offline engine runs so). One process fewer: measured 32-36 s to start against 14-16 s, and
     600 decode steps in 0.44-0.61 s against 0.35-0.37 s (no hand-over between processes each step).
+    An executor given in `args` (engine_kwargs.vllm.distributed_executor_backend) is left to vLLM.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
@@ -423,7 +424,8 @@ def start_engine(args: dict):
     engine_args = AsyncEngineArgs(**args)
     vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     parallel = vllm_config.parallel_config
-    if current_platform.is_cpu() and parallel.world_size == 1 and parallel.distributed_executor_backend == "mp":
+    if (current_platform.is_cpu() and parallel.world_size == 1 and parallel.distributed_executor_backend == "mp"
+            and not args.get("distributed_executor_backend")):
         parallel.distributed_executor_backend = "uni"
     return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                     log_requests=engine_args.enable_log_requests, log_stats=not engine_args.disable_log_stats,
