@@ -509,12 +509,11 @@ def test_statistics_reject_without_temperature_fix(unfixed):
     result, stats = unfixed
     _report("temperature fix off", result, stats)
     # Without the fix the temperatures come from uninitialised memory, so how wrong a run is
-    # varies (z from -27 to +6 over three runs, once +2.0 at T=1): the chi-square rejects every
-    # time, and the log-prob check must reject at one temperature at least, so the lossless
-    # tests as a whole fail without the fix.
+    # varies: over runs the log-prob z went from -27 to +6, and in one CI run it stayed inside
+    # the limit at both temperatures (+0.55, -2.49) while the chi-square gave p = 0. The chi-square
+    # at fixed contexts is the check that fails every time, so the lossless tests as a whole fail
+    # without the fix; the log-prob z is reported above, not required to reject.
     assert stats["chi2"]["p_value"] < ALPHA, stats["chi2"]
-    zs = {t: stats[f"logprob_{t}"]["z"] for t in TEMPERATURES}
-    assert max(abs(z) for z in zs.values()) > Z_LIMIT, zs
 
 
 def test_lossy_acceptance_options_refused():
