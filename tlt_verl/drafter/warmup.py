@@ -36,7 +36,7 @@ from .trainer import DrafterTrainer, TrainerConfig
 GENERATORS = ("hf", "vllm")
 
 
-def _default_trainer() -> TrainerConfig:
+def default_trainer() -> TrainerConfig:
     return TrainerConfig(lr=1e-3, warmup_steps=10, total_steps=400, tokens_per_micro=4096, row_len=2048)
 
 
@@ -58,7 +58,7 @@ class WarmupConfig:
     eval_fraction: float = 0.1
     layout: str = "vllm"
     log_every: int = 10
-    trainer: TrainerConfig = field(default_factory=_default_trainer)
+    trainer: TrainerConfig = field(default_factory=default_trainer)
 
     def __post_init__(self):
         def need(cond: bool, msg: str):
