@@ -1,8 +1,8 @@
 """Adaptive rollout: the BEG-MAB bandit, the SD policy's schedule, and run-time engine control
 (schedule changes, per-step SD records, drafter hot-swap, target/drafter isolation).
 
-The engine tests run one AsyncLLM (spawned engine core and worker, as the rollout server runs
-it) in a subprocess (this file's __main__) on the tiny Llama target of tests/_drafters.py with
+The engine tests run one AsyncLLM (started by the rollout server's own `start_engine`: a spawned
+engine core that runs its worker) in a subprocess (this file's __main__) on the tiny Llama target of tests/_drafters.py with
 its bigram EAGLE-1 drafter, and check what the subprocess reports.
 """
 from __future__ import annotations
@@ -197,20 +197,18 @@ def _counters() -> dict:
 async def _scenario(target: str, drafter: str, random_drafter: str, bad: dict[str, str], alt_target: str) -> dict:
     import torch
     from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     from tlt_verl.rollout.engine import sd_control
     from tlt_verl.rollout.engine.drafter_push import DrafterManifest, push_drafter_async
     from tlt_verl.rollout.engine.offline import use_engine_env
-    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
+    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES, start_engine
 
     use_engine_env()
     spec = {"method": "eagle", "model": drafter, "num_speculative_tokens": K,
             "num_speculative_tokens_per_batch_size": [[1, MAX_SEQS, K]]}
     t0 = time.time()
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+    engine = start_engine(dict(
         model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
         max_num_seqs=MAX_SEQS, max_num_batched_tokens=2048, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
         speculative_config=spec, disable_log_stats=False,

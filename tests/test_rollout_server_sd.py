@@ -69,6 +69,11 @@ async def _scenario(spec: dict) -> dict:
 
     plain = VllmServer(_rollout_config(), model, 0, engine_env(0))
     await plain.launch()
+    from tlt_verl.rollout.engine.engine_dirs import shared_modelinfo_dir
+
+    link = os.path.join(engine_env(0)["VLLM_CACHE_ROOT"], "modelinfos")
+    res["modelinfos"] = {"link": os.path.realpath(link) if os.path.islink(link) else None,
+                         "shared": str(shared_modelinfo_dir().resolve()), "files": sorted(os.listdir(link))}
     try:
         res["plain"] = await rollout(plain, "plain")
         res["plain_summary"] = await plain.take_sd_summary()
@@ -250,9 +255,11 @@ def test_sd_off_runs_no_drafter_and_sleep_drops_what_it_kept(scenario):
     steps = scenario["off_metrics"]
     assert steps and all(m["k"] == 0 and m["draft_tokens"] == 0 for m in steps)
     # Every step of the all-off rollout skipped the drafter and kept its inputs: each prompt
-    # token and each decoded position but the last (which no step read as input).
+    # token and each decoded position but the last (which no step read as input). Counted from
+    # the start: the rollout before may end on steps the bandit's k=0 arm ran, whose rows wait
+    # for the next drafting step.
     assert before["skipped_steps"] - start["skipped_steps"] == len(steps)
-    assert before["pending_rows"] == 8 * len(MAX_TOKENS) + sum(n - 1 for n in MAX_TOKENS)
+    assert before["pending_rows"] - start["pending_rows"] == 8 * len(MAX_TOKENS) + sum(n - 1 for n in MAX_TOKENS)
     assert after["pending_rows"] == 0 and after["skipped_steps"] == before["skipped_steps"]
 
 
@@ -269,11 +276,39 @@ def test_dying_engine_fails_the_rollout_fast_in_one_line(scenario):
 
 
 @pytest.mark.slow
+def test_engine_learns_the_model_class_into_the_shared_cache(scenario):
+    # The server's own cache root is private; what vLLM learned about the target's class is in the
+    # folder every engine shares, so the next engine with a fresh root does not learn it again.
+    info = scenario["modelinfos"]
+    assert info["link"] == info["shared"]
+    assert any(f.endswith("LlamaForCausalLM.json") for f in info["files"]), info
+
+
+@pytest.mark.slow
 def test_lossy_speculative_config_refused_before_engine_start(scenario):
     assert "synthetic" in scenario["lossy_error"] and "lossless" in scenario["lossy_error"]
 
 
 # ---------------------------------------------------------------------------- no engine
+
+def test_engine_dirs_link_the_model_info_cache(tmp_path, monkeypatch):
+    from tlt_verl.rollout.engine.engine_dirs import MODELINFO_DIR_ENV, make_engine_dirs
+
+    shared = tmp_path / "shared"
+    monkeypatch.setenv(MODELINFO_DIR_ENV, str(shared))
+    env = {"VLLM_RPC_BASE_PATH": str(tmp_path / "a" / "rpc"), "VLLM_CACHE_ROOT": str(tmp_path / "a" / "cache")}
+    make_engine_dirs(env)
+    make_engine_dirs(env)   # a second engine of the same root
+    link = tmp_path / "a" / "cache" / "modelinfos"
+    assert (tmp_path / "a" / "rpc").is_dir() and link.is_symlink() and link.resolve() == shared.resolve()
+    (link / "x.json").write_text("{}")
+    assert (shared / "x.json").read_text() == "{}"
+    # A cache root that already holds a folder of its own keeps it.
+    own = tmp_path / "b" / "cache" / "modelinfos"
+    own.mkdir(parents=True)
+    make_engine_dirs({"VLLM_CACHE_ROOT": str(tmp_path / "b" / "cache")})
+    assert own.is_dir() and not own.is_symlink()
+
 
 def test_config_errors_name_the_option(tmp_path):
     from tlt_verl.rollout.config import AdaptiveRolloutConfig

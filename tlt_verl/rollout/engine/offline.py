@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import os
 
+from tlt_verl.rollout.engine.engine_dirs import make_engine_dirs
 from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
 
 
 def _make_dirs(env: dict) -> None:
-    for key in env:
-        if key.endswith(("_PATH", "_ROOT")):
-            os.makedirs(os.environ[key], exist_ok=True)
+    # The folders as this process sees them: a value the caller set wins over `env`'s.
+    make_engine_dirs({key: os.environ[key] for key in env})
 
 
 def use_engine_env() -> None:

@@ -18,6 +18,7 @@ from verl.workers.rollout.replica import TokenOutput
 
 from tlt_verl.rollout.config import AdaptiveRolloutConfig, cuda_graph_engine_args
 from tlt_verl.rollout.engine.engine_death import reporting_death
+from tlt_verl.rollout.engine.engine_dirs import make_engine_dirs
 from tlt_verl.rollout.lossless import check_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -64,9 +65,7 @@ class VllmServer:
         # names its socket from the last two, as verl's own server sets them.
         engine_env = {**engine_env, "VERL_REPLICA_RANK": str(replica_rank), "VERL_RAY_JOB_ID": _ray_job_id()}
         os.environ.update(engine_env)
-        for key in ("VLLM_RPC_BASE_PATH", "VLLM_CACHE_ROOT"):
-            if key in engine_env:
-                Path(engine_env[key]).mkdir(parents=True, exist_ok=True)
+        make_engine_dirs(engine_env)
 
     def _max_model_len(self) -> int:
         return self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
