@@ -14,6 +14,11 @@ leaves its GPU memory behind cannot take the others with it), in this order:
                briefly warmed drafter
   cuda_graphs  part 5: CUDA-graph memory of an SD engine with TLT's per-strategy capture sizes
                against vLLM's default list
+  spot         the Spot Trainer's drafter service training on the device (NCCL on a GPU) on the
+               target's own sampled responses, captured there; its export scored on the CPU
+
+Without vLLM, verl or Ray (a bare GPU image with torch alone) the parts that need only torch
+(sft, kernels, spot) still run; the others are skipped with the stack's one line.
 
 One JSON comes out (written again after every part, so a run cut short still leaves one): per
 part its status (ok / failed / skipped), wall time, budget and numbers, a failure's last log
@@ -38,7 +43,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -107,6 +112,8 @@ def child_env(ctx: dict, **extra) -> dict:
 
 # ---------------------------------------------------------------------------- stack
 
+# What the recipe and the engine parts need beyond torch and transformers.
+SERVING_STACK = ("vllm", "verl", "ray")
 DISTRIBUTIONS = {"vllm": "vllm", "verl": "verl", "transformers": "transformers", "ray": "ray",
                  "triton": "triton", "flash_attn": "flash-attn", "tlt_verl": "tlt-verl"}
 
@@ -121,9 +128,10 @@ def _dist_version(dist: str) -> str | None:
 
 
 def part_stack(ctx: dict) -> dict:
-    """Versions, and whether the GPU stack is there. The entry points through which verl and vLLM
-    load TLT exist only once tlt-verl is installed; that install needs no network (--no-deps,
-    --no-index), so it is done here when missing."""
+    """Versions, and whether the GPU stack is there. No torch, or no CUDA device on a GPU run, ends
+    the check; without vLLM, verl or Ray (a bare GPU image) only the parts that need them skip.
+    The entry points through which verl and vLLM load TLT exist only once tlt-verl is installed;
+    that install needs no network (--no-deps, --no-index), so it is done here when missing."""
     versions: dict = {"python": platform.python_version()}
     out: dict = {"versions": versions}
     try:
@@ -133,11 +141,14 @@ def part_stack(ctx: dict) -> dict:
     versions.update(torch=torch.__version__, cuda=torch.version.cuda)
     versions.update({name: _dist_version(dist) for name, dist in DISTRIBUTIONS.items()})
     versions["tlt_verl_commit"] = _git_commit()
-    missing = [n for n in ("vllm", "verl", "transformers", "ray") if versions[n] is None]
-    if not missing and ctx["mode"] == "gpu" and not torch.cuda.is_available():
+    if versions["transformers"] is None:
+        return {**out, "status": FAILED, "error": ["GPU stack missing: transformers; install it with "
+                                                   "`pip install -r requirements/gpu.txt` (this script downloads nothing)"]}
+    if ctx["mode"] == "gpu" and not torch.cuda.is_available():
         return {**out, "status": FAILED, "error": [
             f"no CUDA device visible to torch {torch.__version__} (CUDA build {torch.version.cuda}); "
             "on a CPU box use --cpu-dry-run"]}
+    missing = [n for n in SERVING_STACK if versions[n] is None]
     if not missing and ctx["mode"] == "gpu":
         # Installed does not mean importable (a CPU wheel, a missing CUDA library). The dry run
         # spares itself this 10-second import: its later parts import vLLM anyway.
@@ -145,10 +156,6 @@ def part_stack(ctx: dict) -> dict:
             import vllm  # noqa: F401
         except Exception as e:  # noqa: BLE001
             missing = [f"vllm does not import ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"]
-    if missing:
-        line = (f"GPU stack missing: {', '.join(missing)}; install it with `pip install -r requirements/gpu.txt "
-                "&& pip install --no-deps -e .` (this script downloads nothing)")
-        return {**out, "status": FAILED, "error": [line]}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         versions["cudnn"] = torch.backends.cudnn.version()
@@ -165,6 +172,10 @@ def part_stack(ctx: dict) -> dict:
                     + tail(rc.stderr, 5)}
     if versions["tlt_verl"] is None and not out.get("installed_tlt_verl"):
         return {**out, "status": FAILED, "error": ["tlt-verl is not installed: `pip install --no-deps -e .`"]}
+    if missing:
+        line = (f"GPU stack missing: {', '.join(missing)}; install it with `pip install -r requirements/gpu.txt "
+                "&& pip install --no-deps -e .` (this script downloads nothing)")
+        return {**out, "status": FAILED, "error": [line], "provides": {"serving_stack_missing": line}}
     return {**out, "status": OK}
 
 
@@ -191,8 +202,6 @@ def part_sft(ctx: dict) -> dict:
     """On a GPU: the task's assets with the default recipe's SFT (so `tlt run` later finds them
     up to date), its updates run on the GPU. Dry run: the cached CPU assets, never a 15-minute CPU
     SFT, and ten SFT updates through the same code on the CPU."""
-    from dataclasses import replace
-
     from tlt_verl.task.prepare import PrepareSettings, prepare, stale_stages
 
     root = Path(ctx["home"]) / "assets"
@@ -682,6 +691,112 @@ def part_cuda_graphs(ctx: dict) -> dict:
     return {**out, "status": OK}
 
 
+# ---------------------------------------------------------------------------- the Spot Trainer
+
+def part_spot(ctx: dict) -> dict:
+    """The drafter service (what a verl rank hosts and trains while idle) on the device: the SFT
+    target samples responses to task prompts there and its hidden states are captured there; a
+    one-member session (NCCL on a GPU, gloo on a CPU, as in a run) trains for a fixed time. Its
+    export is loaded on the CPU and scored by held-out top-1 agreement against the same
+    drafter untrained, so the numbers say both how fast the device trains and that it learned."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tlt_verl.capture import BufferConfig, DataBuffer, capture_samples
+    from tlt_verl.drafter import build_drafter, target_tensors
+    from tlt_verl.drafter.export import load_drafter
+    from tlt_verl.drafter.reducer import free_port
+    from tlt_verl.drafter.warmup import WarmupConfig, default_trainer, generate_hf, task_prompts, top1_agreement
+    from tlt_verl.spot.drafter_service import DrafterService, DrafterServiceConfig
+
+    gpu = ctx["mode"] == "gpu"
+    device = "cuda" if gpu else "cpu"
+    torch.set_num_threads(1 if not gpu else min(8, os.cpu_count() or 1))
+    # (prompts, new tokens per response, training seconds): a GPU run's tail-sized responses; a
+    # handful on the CPU, where only the path is checked.
+    prompts_n, new_tokens, train_s = (256, 512, 45.0) if gpu else (8, 24, 4.0)
+    work, model = Path(ctx["work"]) / "spot", Path(ctx["model"])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
+    for prm in target.parameters():
+        prm.requires_grad_(False)
+    gen_cfg = WarmupConfig(target=str(model), out=str(work), num_prompts=prompts_n, max_new_tokens=new_tokens,
+                           gen_batch=prompts_n)
+    prompts = task_prompts(tokenizer, prompts_n, gen_cfg.prompt_seed)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    t0 = time.perf_counter()
+    responses = generate_hf(target, tokenizer, prompts, gen_cfg)
+    sync()
+    gen_s = time.perf_counter() - t0
+    keep = [i for i, r in enumerate(responses) if r]
+    cfg = DrafterServiceConfig(kind="eagle3", device=device,
+                               trainer=replace(default_trainer(), lr=2e-3, tokens_per_micro=2048))
+    service = DrafterService(str(model), cfg, capture=False)
+    t0 = time.perf_counter()
+    recs = capture_samples(target, [prompts[i] + responses[i] for i in keep], [len(prompts[i]) for i in keep],
+                           aux_layer_ids=service.aux_layer_ids, pad_id=tokenizer.pad_token_id or 0)
+    sync()
+    capture_s = time.perf_counter() - t0
+    held = max(1, len(recs) // 10)
+    service.add_samples([(0, r["input_ids"], r["loss_mask"], r["final_hidden"], r["aux_hidden"]) for r in recs[held:]])
+    del target
+    if gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    service.start_session("gpu-check", 0, 1, "127.0.0.1", free_port(), 0)
+    t0, first = time.perf_counter(), None
+    while time.perf_counter() - t0 < train_s + (first or 0.0):
+        m = service.metrics(reset=False)
+        if first is None and m["tlt/drafter/steps"] >= 1:
+            # Session start, NCCL set-up and kernel compilation: not counted in the training time.
+            first, first_loss = time.perf_counter() - t0, m["tlt/drafter/loss"]
+            base = m
+        if service.is_training is False:
+            break
+        time.sleep(0.05)
+    stats = service.stop()
+    m = service.metrics(reset=False)
+    peak_mib = round(torch.cuda.max_memory_allocated() / 2**20, 1) if gpu else None
+    if stats.get("error") or first is None:
+        return {"status": FAILED, "session": {k: v for k, v in stats.items() if not callable(v)},
+                "error": [f"drafter session: {stats.get('error') or 'no step finished'}"]}
+    steps, tokens = m["tlt/drafter/steps"] - base["tlt/drafter/steps"], m["tlt/drafter/tokens"] - base["tlt/drafter/tokens"]
+    seconds = m["tlt/drafter/train_seconds"] - base["tlt/drafter/train_seconds"]
+    exported = service.export(work / "drafter")
+    service.close()
+
+    # Scored on the CPU: the export as an engine would load it, and the untrained drafter with the
+    # service's own seed, on the same held-out samples.
+    tconfig = AutoConfig.from_pretrained(model)
+    cpu_target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    tensors = target_tensors(cpu_target)
+    held_buf = DataBuffer(BufferConfig(kind="eagle3", budget_bytes=1 << 32))
+    for r in recs[:held]:
+        held_buf.add(0, r["input_ids"], r["loss_mask"], r["final_hidden"], r["aux_hidden"])
+    samples = [held_buf.get(i) for i in held_buf.ids()]
+    torch.manual_seed(cfg.init_seed)
+    fresh = build_drafter(service.drafter.cfg, *tensors)
+    trained = load_drafter(exported, tconfig, *tensors)
+    before, after = top1_agreement(fresh, samples), top1_agreement(trained, samples)
+    out = {"device": device, "backend": "nccl" if gpu else "gloo",
+           "generation": {"responses": len(keep), "tokens": sum(len(responses[i]) for i in keep),
+                          "seconds": round(gen_s, 1)},
+           "capture": {"samples": len(recs), "held_out": held, "seconds": round(capture_s, 2)},
+           "training": {"first_step_s": round(first, 2), "steps": int(steps), "tokens": int(tokens),
+                        "seconds": round(seconds, 2), "steps_per_s": round(steps / seconds, 2) if seconds else None,
+                        "tokens_per_s": round(tokens / seconds) if seconds else None,
+                        "first_loss": round(first_loss, 4), "last_loss": round(m["tlt/drafter/loss"], 4),
+                        "peak_mib": peak_mib, "stop_latency_s": round(stats["stop_latency_s"], 3)},
+           "top1_agreement": {"untrained": round(before, 4), "trained": round(after, 4)},
+           "export": portable(exported)}
+    learned = after > before and m["tlt/drafter/loss"] < first_loss
+    if gpu and not learned:
+        return {**out, "status": FAILED, "error": [f"the drafter did not learn: top-1 {before:.3f} -> {after:.3f}, "
+                                                   f"loss {first_loss:.3f} -> {m['tlt/drafter/loss']:.3f}"]}
+    return {**out, "status": OK}
+
+
 # ---------------------------------------------------------------------------- the driver
 
 @dataclass(frozen=True)
@@ -692,15 +807,17 @@ class Part:
     budget_s: tuple[int, int]    # (GPU, CPU dry run)
     min_s: tuple[int, int]       # held back for it while the parts before it run
     needs: tuple[str, ...] = ()  # context keys an earlier part provides
+    serving: bool = False        # needs vLLM, verl and Ray (SERVING_STACK), not only torch
 
 
 PARTS = [
     Part("stack", None, part_stack, (60, 60), (20, 20)),
     Part("sft", 1, part_sft, (150, 60), (60, 20), needs=()),
     Part("kernels", 4, part_kernels, (60, 40), (20, 15), needs=()),
-    Part("recipe", 2, part_recipe, (220, 60), (120, 20), needs=("model",)),
-    Part("sd_decode", 3, part_sd_decode, (170, 120), (60, 40), needs=("model",)),
-    Part("cuda_graphs", 5, part_cuda_graphs, (130, 40), (60, 15), needs=("model",)),
+    Part("recipe", 2, part_recipe, (220, 60), (120, 20), needs=("model",), serving=True),
+    Part("sd_decode", 3, part_sd_decode, (170, 120), (60, 40), needs=("model",), serving=True),
+    Part("cuda_graphs", 5, part_cuda_graphs, (130, 40), (60, 15), needs=("model",), serving=True),
+    Part("spot", None, part_spot, (130, 60), (60, 20), needs=("model",)),
 ]
 BY_NAME = {p.name: p for p in PARTS}
 
@@ -795,6 +912,8 @@ def main(argv=None) -> int:
             res = {"status": SKIPPED, "reason": "not selected (--only)"}
         elif stack_error:
             res = {"status": SKIPPED, "reason": stack_error}
+        elif part.serving and "serving_stack_missing" in ctx:
+            res = {"status": SKIPPED, "reason": ctx["serving_stack_missing"]}
         elif missing:
             res = {"status": SKIPPED, "reason": f"needs {', '.join(missing)} from part sft, which failed"}
         elif budget < scale * part.min_s[col]:
@@ -807,7 +926,8 @@ def main(argv=None) -> int:
         if part.name == "stack":
             report["versions"] = res.pop("versions", {})
             if res["status"] != OK:
-                stack_error = report["error"] = res["error"][0]
+                report["error"] = res["error"][0]
+                stack_error = None if "serving_stack_missing" in ctx else report["error"]
         report["parts"][part.name] = {"part": part.number, **res}
         line = res.get("reason") or (res.get("error") or [""])[0]
         print(f"gpu_check: {part.name}: {res['status']} ({res.get('wall_s', 0):.0f}s) {line}".rstrip(), flush=True)

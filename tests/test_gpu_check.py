@@ -10,12 +10,31 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = {"stack": None, "sft": 1, "kernels": 4, "recipe": 2, "sd_decode": 3, "cuda_graphs": 5}
+PARTS = {"stack": None, "sft": 1, "kernels": 4, "recipe": 2, "sd_decode": 3, "cuda_graphs": 5, "spot": None}
+SERVING = ("recipe", "sd_decode", "cuda_graphs")
+# A bare GPU image (torch and transformers, no vLLM, verl, Ray or flash-attn), as the device
+# machine lent to sessions is: those packages are not found, as if not installed.
+BARE_IMAGE = """
+import importlib.metadata as md, sys
+from importlib.machinery import PathFinder
+ABSENT = ("vllm", "verl", "ray", "flash_attn")
+class Finder(PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        return None if name.split(".")[0] in ABSENT else PathFinder.find_spec(name, path, target)
+sys.meta_path[:] = [Finder if f is PathFinder else f for f in sys.meta_path]
+version = md.version
+def absent_version(name):
+    if name.replace("-", "_") in ABSENT:
+        raise md.PackageNotFoundError(name)
+    return version(name)
+md.version = absent_version
+"""
 
 
-def gpu_check(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+def gpu_check(tmp: Path, *args: str, **env_extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp / "gpu_check.json"
-    env = dict(os.environ)
+    env = dict(os.environ, **env_extra)
     env.pop("RAY_ADDRESS", None)
     res = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--out", str(out), "--work", str(tmp / "work"),
                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -93,6 +112,35 @@ def test_gpu_only_parts_are_built_and_validated(dry_run):
     sizes = graphs["config"]["pool_capture_sizes"]
     assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] <= graphs["config"]["max_num_batched_tokens"]
     assert graphs["config"]["pool_n_sizes"] == len(sizes)
+
+
+def test_the_spot_trainer_learns_on_the_device_path(dry_run):
+    spot = dry_run[1]["parts"]["spot"]
+    assert spot["status"] == "ok" and spot["device"] == "cpu" and spot["backend"] == "gloo"
+    assert spot["generation"]["responses"] == 8 and spot["capture"]["samples"] == 8
+    training = spot["training"]
+    assert training["steps"] >= 2 and training["tokens"] > 0 and training["seconds"] > 0
+    assert training["last_loss"] < training["first_loss"]
+    assert 0 <= spot["top1_agreement"]["untrained"] <= 1 and 0 <= spot["top1_agreement"]["trained"] <= 1
+    assert len(spot["export"]["sha256"]) == 64
+
+
+def test_a_bare_gpu_image_runs_the_torch_parts_and_skips_the_serving_ones(assets, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BARE_IMAGE)
+    res, report = gpu_check(tmp_path, "--cpu-dry-run", "--home", str(Path(assets["root"]).parent), "--total-s", "600",
+                            "--only", "recipe,sd_decode,cuda_graphs,spot", PYTHONPATH=str(site))
+    assert res.returncode == 1 and report["status"] == "failed"
+    line = report["error"]
+    assert line.startswith("GPU stack missing: vllm, verl, ray;") and "\n" not in line
+    assert report["versions"]["vllm"] is None and report["versions"]["torch"].startswith("2.")
+    parts = report["parts"]
+    assert parts["stack"]["status"] == "failed" and parts["stack"]["error"] == [line]
+    assert all(parts[name] == {"part": PARTS[name], "status": "skipped", "reason": line} for name in SERVING)
+    assert parts["sft"]["status"] == "ok" and parts["spot"]["status"] == "ok"
+    assert parts["spot"]["training"]["steps"] >= 1
+    assert parts["kernels"]["reason"] == "not selected (--only)"
 
 
 def test_without_a_gpu_the_gpu_run_stops_in_one_line(tmp_path):

@@ -108,8 +108,8 @@ def generate_hf(model, tokenizer, prompts: list[list[int]], cfg: WarmupConfig) -
     for b in range(0, len(prompts), cfg.gen_batch):
         chunk = prompts[b: b + cfg.gen_batch]
         width = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
         new = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)[:, width:].tolist()
         for seq in new:
             out.append(seq[: seq.index(eos) + 1] if eos in seq else seq)

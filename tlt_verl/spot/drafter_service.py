@@ -147,8 +147,6 @@ class DrafterService:
         False: the buffer is filled through ``add_samples`` (a service hosted in a child process)."""
         from transformers import AutoConfig
 
-        from tlt_verl.capture import verl_capture
-
         self.cfg = cfg = cfg or DrafterServiceConfig()
         target = _check_model_dir(target_dir, "target_dir")
         target_config = AutoConfig.from_pretrained(target)
@@ -169,9 +167,14 @@ class DrafterService:
             else:
                 drafter = build_drafter(drafter_cfg, embed, head)
         self.drafter = drafter.to(self.device)
+        self._captures = capture
         if not capture:
             self.buffer = DataBuffer(cfg.buffer)
         else:
+            # Only a service that captures needs verl (its batch layout): one fed by
+            # add_samples (a child process, a bare GPU image) runs on torch alone.
+            from tlt_verl.capture import verl_capture
+
             if verl_capture.enabled():
                 log.warning("drafter service: capture was already enabled in this process; its buffer is replaced")
             self.buffer = verl_capture.enable(cfg.kind, self.drafter.cfg.aux_layer_ids, cfg.buffer)
@@ -476,11 +479,12 @@ class DrafterService:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop any session, finish pending checkpoint writes and stop capturing into this buffer."""
-        from tlt_verl.capture import verl_capture
-
         if self._thread is not None:
             self.stop(timeout_s)
         for mgr in self._checkpoints.values():
             mgr.wait()
-        if verl_capture.buffer() is self.buffer:
-            verl_capture.disable()
+        if self._captures:
+            from tlt_verl.capture import verl_capture
+
+            if verl_capture.buffer() is self.buffer:
+                verl_capture.disable()
