@@ -8,6 +8,10 @@ the same capture code as a run. Training speed does not depend on what the weigh
 so no SFT is needed and the same workload runs on any machine. Per device: the warm-up (first
 steps, kernel compilation) apart from a timed window of steps, and a torch.profiler table of the
 operators that take the window's time, so that a slow device says where its time goes.
+
+On CUDA, arm ``sdpa_default`` runs the drafter's attention as it was before TLT chose its CUDA
+path (tlt_verl/drafter/layers.py): SDPA's own backend choice (cuDNN on an H200) and the CPU's
+per-chunk key selection; ``tlt`` is the path a run takes. Same workload, same seed, one process.
 """
 from __future__ import annotations
 
@@ -39,7 +43,23 @@ def workload(n_samples: int, seed: int = 0):
     return target, seqs
 
 
-def measure(device: str, target, seqs, steps: int, warm: int, kind: str) -> dict:
+ARMS = {"tlt": {}, "sdpa_default": {"CUDA_SDPA_BACKENDS": None, "DENSE_MASK_ON_CUDA": False}}
+
+
+def measure(device: str, target, seqs, steps: int, warm: int, kind: str, arm: str = "tlt") -> dict:
+    from tlt_verl.drafter import layers
+
+    saved = {name: getattr(layers, name) for name in ARMS[arm]}
+    for name, value in ARMS[arm].items():
+        setattr(layers, name, value)
+    try:
+        return {"arm": arm, **_measure(device, target, seqs, steps, warm, kind)}
+    finally:
+        for name, value in saved.items():
+            setattr(layers, name, value)
+
+
+def _measure(device: str, target, seqs, steps: int, warm: int, kind: str) -> dict:
     from tlt_verl.capture import BufferConfig, DataBuffer, capture_samples
     from tlt_verl.drafter import DrafterConfig, build_drafter, target_tensors
     from tlt_verl.drafter.trainer import DrafterTrainer, TrainerConfig
@@ -91,14 +111,23 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     target, seqs = workload(args.samples)
     rows = []
-    for device in args.devices.split(","):
-        row = measure(device, target, seqs, args.steps, args.warm, args.kind)
-        print(f"{device}: {row['steps_per_s']} steps/s, {row['tokens_per_s']} tokens/s, {row['ms_per_step']} ms/step "
+    runs = [(d, arm) for d in args.devices.split(",") for arm in (("sdpa_default", "tlt") if d.startswith("cuda")
+                                                                  else ("tlt",))]
+    for device, arm in runs:
+        row = measure(device, target, seqs, args.steps, args.warm, args.kind, arm)
+        print(f"{device} ({arm}): {row['steps_per_s']} steps/s, {row['tokens_per_s']} tokens/s, {row['ms_per_step']} ms/step "
               f"(warm-up {row['warm_s']} s)", flush=True)
         print("\n".join(row["profile_top_cpu_time"]), flush=True)
         rows.append(row)
     out = {"what": "DrafterTrainer steps/s per device on the task target's shape (bench/drafter_train_speed.py)",
            "kind": args.kind, "samples": args.samples, "torch": torch.__version__, "rows": rows}
+    by = {(r["device"], r["arm"]): r for r in rows}
+    for (device, arm), r in by.items():
+        if arm == "tlt" and (device, "sdpa_default") in by:
+            out[f"{device}_tlt_over_sdpa_default_steps_per_s"] = round(
+                r["steps_per_s"] / by[(device, "sdpa_default")]["steps_per_s"], 2)
+    if ("cuda", "tlt") in by and ("cpu", "tlt") in by:
+        out["cuda_over_cpu_steps_per_s"] = round(by[("cuda", "tlt")]["steps_per_s"] / by[("cpu", "tlt")]["steps_per_s"], 2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

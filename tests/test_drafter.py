@@ -312,6 +312,30 @@ def test_attention_matches_hf_llama_attention():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_masked_attention_is_the_same_dense_or_in_chunks():
+    """A packed row's mask (samples of uneven lengths, grouped-query heads): one dense call (CUDA's
+    path, its kv heads expanded for the memory-efficient kernel) and per-chunk key selection (the
+    CPU's) give the same output and gradients."""
+    from tlt_verl.drafter.layers import MASK_CHUNK, masked_attention
+
+    torch.manual_seed(0)
+    S, lengths = 3 * MASK_CHUNK + 37, (90, 400, 5, 200, 3 * MASK_CHUNK + 37 - 695)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.arange(S)
+    mask = ((seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :]))[None]
+    q, k, v = (torch.randn(1, h, S, 16, requires_grad=True) for h in (4, 2, 2))
+    results = []
+    for dense in (True, False):
+        out = masked_attention(q, k, v, mask, dense)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, S)[:, None]).sum(), (q, k, v))
+        results.append((out, *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # The expanded heads are the grouped ones: query heads 0-1 read kv head 0, heads 2-3 kv head 1.
+    one_head = masked_attention(q[:, 2:3], k[:, 1:2], v[:, 1:2], mask, True)
+    torch.testing.assert_close(results[0][0][:, 2:3], one_head, atol=1e-6, rtol=1e-6)
+
+
 # ---------------------------------------------------------------- checkpoint folders
 
 VLLM_EAGLE_NAMES = {"fc.weight", "layers.0.post_attention_layernorm.weight",

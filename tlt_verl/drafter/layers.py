@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import DrafterConfig
 
@@ -43,8 +44,46 @@ def _apply_rotary(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-# Queries per attention call when a mask is given (see attend).
+# Queries per attention call when a mask is given on the CPU (see masked_attention).
 MASK_CHUNK = 256
+# On CUDA the drafter's attention leaves cuDNN out. cuDNN's SDPA builds an execution plan for
+# every new shape, 8-11 ms of host time per call on an H200 (torch 2.11), and packed rows give
+# nearly every call a new shape: a drafter training step took 1.05 s there, 23 ms of it on the GPU
+# (bench/results/drafter_train_speed.json). The memory-efficient kernel takes any boolean mask.
+CUDA_SDPA_BACKENDS: tuple[SDPBackend, ...] | None = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                                     SDPBackend.MATH)
+# On CUDA a masked row is one dense call: the CPU's chunking picks each chunk's keys with a
+# nonzero(), a host sync per chunk, to save work a GPU does not notice at drafter sizes.
+DENSE_MASK_ON_CUDA = True
+
+
+def sdpa(q, k, v, **kwargs) -> torch.Tensor:
+    if not q.is_cuda or CUDA_SDPA_BACKENDS is None:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(list(CUDA_SDPA_BACKENDS)):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def masked_attention(q, k, v, mask: torch.Tensor, dense: bool) -> torch.Tensor:
+    """``attend`` with a mask: one call over the whole row (``dense``), or per chunk of queries."""
+    gqa = q.shape[1] != k.shape[1]
+    if dense:
+        if gqa:
+            # Expanded here: CUDA's memory-efficient kernel has no grouped-query mode.
+            rep = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+        return sdpa(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+    # A packed row holds many short samples, and the mask lets a query see only its own sample:
+    # per chunk of queries, attend to just the keys some of them may see. Exact (the keys left
+    # out have zero weight) and far cheaper than the dense row (a 2048-slot row of ~90-token
+    # samples: EAGLE-3's 3-step unroll forward and backward 1.28 s -> 0.35 s on this CPU).
+    out = []
+    for c0 in range(0, q.shape[2], MASK_CHUNK):
+        m = mask[:, c0:c0 + MASK_CHUNK]
+        cols = m.any(dim=1).any(dim=0).nonzero().squeeze(-1)
+        out.append(sdpa(q[:, :, c0:c0 + MASK_CHUNK], k.index_select(2, cols), v.index_select(2, cols),
+                        attn_mask=m.index_select(2, cols)[:, None], enable_gqa=gqa))
+    return torch.cat(out, dim=2)
 
 
 def attend(q, k, v, mask: torch.Tensor | None = None, cu_seqlens=None) -> torch.Tensor:
@@ -63,24 +102,10 @@ def attend(q, k, v, mask: torch.Tensor | None = None, cu_seqlens=None) -> torch.
         out = flash_attn_varlen_func(flat(q), flat(k), flat(v), bounds, bounds, max_len, max_len,
                                      causal=True)
         return out.view(B, S, h, d).transpose(1, 2)
-    gqa = q.shape[1] != k.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    S = q.shape[2]
-    if S <= MASK_CHUNK:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
-    # A packed row holds many short samples, and the mask lets a query see only its own sample:
-    # per chunk of queries, attend to just the keys some of them may see. Exact (the keys left
-    # out have zero weight) and far cheaper than the dense row (a 2048-slot row of ~90-token
-    # samples: EAGLE-3's 3-step unroll forward and backward 1.28 s -> 0.35 s on this CPU).
-    out = []
-    for c0 in range(0, S, MASK_CHUNK):
-        m = mask[:, c0:c0 + MASK_CHUNK]
-        cols = m.any(dim=1).any(dim=0).nonzero().squeeze(-1)
-        out.append(F.scaled_dot_product_attention(q[:, :, c0:c0 + MASK_CHUNK], k.index_select(2, cols),
-                                                  v.index_select(2, cols), attn_mask=m.index_select(2, cols)[:, None],
-                                                  enable_gqa=gqa))
-    return torch.cat(out, dim=2)
+        return sdpa(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    dense = q.shape[2] <= MASK_CHUNK or (q.is_cuda and DENSE_MASK_ON_CUDA)
+    return masked_attention(q, k, v, mask, dense)
 
 
 class Attention(nn.Module):
