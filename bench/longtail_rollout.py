@@ -52,6 +52,7 @@ async def run_engines(args) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from tlt_verl.rollout.config import drafter_speculative_config
     from tlt_verl.rollout.engine.offline import use_engine_env
     from tlt_verl.rollout.engine.sd_loop import AdaptiveSDLoop, summarize
     from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES, start_engine
@@ -65,8 +66,9 @@ async def run_engines(args) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=32768, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
                 disable_log_stats=False)
-    spec = {"method": args.method, "model": args.drafter, "num_speculative_tokens": max_k,
-            "num_speculative_tokens_per_batch_size": [[1, args.max_num_seqs, max_k]]}
+    # As the rollout server serves it: a parallel-drafting drafter gets all k drafts from one forward.
+    spec = drafter_speculative_config(args.drafter, args.method, max_k,
+                                      num_speculative_tokens_per_batch_size=[[1, args.max_num_seqs, max_k]])
     t = time.time()
     plain = start_engine(base)
     sd = start_engine({**base, "speculative_config": spec})

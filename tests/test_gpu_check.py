@@ -1,6 +1,7 @@
 """bench/gpu_check.sh: the dry run on this CPU runs every part a CPU can, with sane numbers, and
-builds and validates the GPU-only ones; without a usable GPU stack the GPU run stops in one line
-that the JSON keeps, and skips every part."""
+builds and validates the GPU-only ones; without a CUDA device the GPU run stops in one line that
+the JSON keeps, and skips every part; on a bare GPU image (torch without vLLM, verl or Ray) the
+torch-only parts run and the serving ones skip with the stack's line."""
 import json
 import math
 import os
