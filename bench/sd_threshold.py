@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="target folder (default: the task's SFT model via prepare); "
                     "only its architecture matters for the cost side")
     ap.add_argument("--acceptance", default="0.5,0.7,0.8", help="per-token acceptance rates to model")
-    ap.add_argument("--drafter", default=None, help="an exported EAGLE-1 drafter folder (default: a random one)")
+    ap.add_argument("--drafter", default=None, help="an exported drafter folder, EAGLE-1 or EAGLE-3 (default: a random EAGLE-1)")
     ap.add_argument("--prompts", choices=["random", "task"], default="random",
                     help="random token prompts of --prompt-len, or task prompts with long solutions")
     ap.add_argument("--gpu", action="store_true", help="engines on CUDA: bf16 and CUDA graphs (default: the "
@@ -202,8 +202,13 @@ def main(argv=None) -> int:
         plain = _measure(llm, sizes, args.tokens, args.prompt_len, vocab, args.repeats, make_prompts=make_prompts)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    spec = {"method": "eagle", "model": str(drafter), "num_speculative_tokens": args.max_k,
-            "num_speculative_tokens_per_batch_size": [[1, max_seqs, args.max_k]]}
+    # Served as the rollout server serves it: the folder's own kind, and a parallel-drafting
+    # EAGLE-3 drafter with all k drafts from one forward.
+    from tlt_verl.rollout.config import drafter_speculative_config
+
+    kind = json.loads((Path(drafter) / "config.json").read_text()).get("tlt_drafter", {}).get("kind", "eagle")
+    spec = drafter_speculative_config(str(drafter), kind, args.max_k,
+                                      num_speculative_tokens_per_batch_size=[[1, max_seqs, args.max_k]])
     llm = offline_llm(str(model), speculative_config=spec, **engine)
     try:
         sd = _measure(llm, sizes, args.tokens, args.prompt_len, vocab, args.repeats,
@@ -212,7 +217,7 @@ def main(argv=None) -> int:
     finally:
         llm.llm_engine.engine_core.shutdown()
     result = {
-        "what": "decode step time, plain vs EAGLE-1 SD with k drafts, by running batch; tiny SFT target, "
+        "what": "decode step time, plain vs SD with k drafts (the drafter folder's kind), by running batch; tiny SFT target, "
                 "random drafter (cost side); threshold modelled for per-token acceptance rates",
         "host": {"cpus": len(os.sched_getaffinity(0)), "machine": platform.machine(),
                  "loadavg_at_end": os.getloadavg()},

@@ -21,14 +21,16 @@ from typing import Any, Iterable, Mapping
 
 from tlt_verl.rollout.policy.bandit import BanditConfig, BucketedEpsilonGreedy
 
-# Running batch above which SD is off, re-derived once "off" cost what plain decoding costs
-# (patches/vllm_sd/catch_up.py; bench/results/sd_off_cost.json). bench/sd_threshold.py with the
-# warm drafter on task prompts (real acceptance), three runs on this 2-core box
-# (bench/results/sd_threshold.json, _r1, _r2): the best k decodes 1.03-1.20x plain at batch 1-8 in
-# some run and loses at 16, 32 and 64 in every run (0.76-0.97x), i.e. measured thresholds 8, 4 and
-# 2. So SD is considered up to 8 running requests, and within that the bandit's arms decide, k=0
-# (now free) among them. GPU recipes set their own (the reference system: 32).
-DEFAULT_THRESHOLD = 8
+# Running batch above which SD is off, measured with the default warm drafter (EAGLE-3, parallel
+# drafting: all k drafts from one forward) on task prompts, bench/sd_threshold.py three times on
+# this 2-core box (bench/results/sd_threshold_parallel.json, _r1, _r2; key `measured`): thresholds
+# 32, 0 (a noisy run) and 32; the best k decodes 1.12-1.5x plain at batch 1-8 in two runs of three
+# and 0.95-1.15x at 64. In a whole long-tail rollout (bench/results/longtail_rollout.json) fixed
+# k=3 beat plain at every batch size, 1.59x at 64. With the EAGLE-1 drafter, whose k drafts were k
+# forwards, the same bench gave 8, 4 and 2 (sd_threshold.json, _r1, _r2), hence the earlier 8.
+# Within the threshold the bandit's arms decide, k=0 (free, see catch_up.py) among them. GPU
+# recipes set their own (the reference system: 32).
+DEFAULT_THRESHOLD = 32
 
 
 @dataclass(frozen=True)
