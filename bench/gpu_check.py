@@ -752,7 +752,7 @@ def part_spot(ctx: dict) -> dict:
             # Session start, NCCL set-up and kernel compilation: not counted in the training time.
             first, first_loss = time.perf_counter() - t0, m["tlt/drafter/loss"]
             base = m
-        if service.is_training is False:
+        if not service.is_training:
             break
         time.sleep(0.05)
     stats = service.stop()

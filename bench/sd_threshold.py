@@ -204,10 +204,10 @@ def main(argv=None) -> int:
         llm.llm_engine.engine_core.shutdown()
     # Served as the rollout server serves it: the folder's own kind, and a parallel-drafting
     # EAGLE-3 drafter with all k drafts from one forward.
+    from tlt_verl.drafter.export import folder_kind
     from tlt_verl.rollout.config import drafter_speculative_config
 
-    kind = json.loads((Path(drafter) / "config.json").read_text()).get("tlt_drafter", {}).get("kind", "eagle")
-    spec = drafter_speculative_config(str(drafter), kind, args.max_k,
+    spec = drafter_speculative_config(str(drafter), folder_kind(drafter), args.max_k,
                                       num_speculative_tokens_per_batch_size=[[1, max_seqs, args.max_k]])
     llm = offline_llm(str(model), speculative_config=spec, **engine)
     try:

@@ -316,13 +316,11 @@ def test_masked_attention_is_the_same_dense_or_in_chunks():
     """A packed row's mask (samples of uneven lengths, grouped-query heads): one dense call (CUDA's
     path, its kv heads expanded for the memory-efficient kernel) and per-chunk key selection (the
     CPU's) give the same output and gradients."""
-    from tlt_verl.drafter.layers import MASK_CHUNK, masked_attention
+    from bench.gpu_drafter_attention import packed_row
+    from tlt_verl.drafter.layers import masked_attention
 
     torch.manual_seed(0)
-    S, lengths = 3 * MASK_CHUNK + 37, (90, 400, 5, 200, 3 * MASK_CHUNK + 37 - 695)
-    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    pos = torch.arange(S)
-    mask = ((seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :]))[None]
+    S, mask = packed_row()
     q, k, v = (torch.randn(1, h, S, 16, requires_grad=True) for h in (4, 2, 2))
     results = []
     for dense in (True, False):
