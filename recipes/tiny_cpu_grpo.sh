@@ -19,6 +19,9 @@
 #     a model with an arithmetic slip habit), lr 2e-4 more so. What GRPO removes here is the
 #     SFT model's habit of leaving out the answer line (tlt_verl/task/sft.py): reward 0.13 over
 #     the first 3 steps -> 0.51 over the last 3;
+#   - verl's synchronous replay buffer, polled every 0.1 s (tlt_verl/launch/sampler.py) instead
+#     of every 2 s: a step's `gen` was otherwise rounded up to a multiple of 2 s (a 4.0-5.1 s
+#     rollout took 6.0 s), for TLT and stock runs alike;
 #   - bypass mode takes the engine's log-probs as the old log-probs instead of recomputing
 #     them: exact here, since they equal the actor's (tests/test_tlt_e2e.py checks it).
 #   MODEL=... TRAIN=... VAL=... bash recipes/tiny_cpu_grpo.sh trainer.total_training_steps=4
@@ -79,4 +82,6 @@ exec python -m verl.trainer.main_ppo \
   trainer.experiment_name=tiny_cpu_grpo \
   ray_kwargs.ray_init.num_cpus=16 \
   transfer_queue.backend.SimpleStorage.num_data_storage_units=2 \
+  trainer.v1.sampler.custom_sampler.path=pkg://tlt_verl.launch.sampler \
+  trainer.v1.sampler.custom_sampler.name=FastPollReplayBuffer \
   "$@"

@@ -13,6 +13,7 @@
 #   - one replica: TLT's Spot trainer only trains the drafter on replicas that drained while
 #     another still generates, so here the drafter is served, pushed and measured but not
 #     trained in the rollout; harvesting needs two replicas or more;
+#   - the CPU recipe's replay buffer polled every 0.1 s (tlt_verl/launch/sampler.py), not 2 s;
 #   - TLT on (+tlt.enable=true, drafter from scratch); an override of the same key given on the
 #     command line (as `./tlt run` passes them, or +tlt.enable=false) replaces the recipe's.
 set -euo pipefail
@@ -76,5 +77,7 @@ exec python -m verl.trainer.main_ppo \
   trainer.experiment_name=tiny_gpu_grpo \
   ray_kwargs.ray_init.num_cpus=16 \
   transfer_queue.backend.SimpleStorage.num_data_storage_units=2 \
+  trainer.v1.sampler.custom_sampler.path=pkg://tlt_verl.launch.sampler \
+  trainer.v1.sampler.custom_sampler.name=FastPollReplayBuffer \
   "${tlt[@]}" \
   "$@"

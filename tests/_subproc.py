@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +33,15 @@ def run_in_subprocess(script: str, spec: dict, work: Path, env_extra: dict | Non
     result = json.loads(out.read_text())
     result.setdefault("timings", {})["subprocess"] = time.time() - t0
     return result
+
+
+def concurrently(jobs: dict[str, Callable[[], object]], workers: int = 2) -> dict[str, object]:
+    """Independent child-process jobs, `workers` at a time: results by key. For checks whose cost
+    is a child's start-up (importing verl costs ~11 s of one core) rather than its work, so that two
+    of them share the two cores of this box instead of queueing."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {key: pool.submit(job) for key, job in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
 
 
 def child_main(fn: Callable[[dict], dict], argv=None) -> None:

@@ -1,6 +1,7 @@
 """Every recipe is a stock `verl.trainer.main_ppo` command line whose config composes under
 verl's Hydra schema and whose `tlt:` block passes TLT's start-up validation."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,37 +9,57 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _subproc import concurrently
 from tlt_verl.integration.config import TLTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_RECIPES = {"qwen2.5_7b_grpo_8gpu": 1, "qwen2.5_32b_grpo_multinode": 4}
 
 
-def composed(recipe: str, tmp_path, *overrides, **env) -> dict:
+def _compose(recipe: str, cwd: Path, *overrides, **env) -> dict:
     env = {**os.environ, "MODEL": "/models/m", "TRAIN": "/data/t.parquet", "VAL": "/data/v.parquet",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env}
-    out = subprocess.run(["bash", str(REPO / "recipes" / f"{recipe}.sh"), *overrides, "--cfg", "job"], cwd=tmp_path,
+    cwd.mkdir()
+    out = subprocess.run(["bash", str(REPO / "recipes" / f"{recipe}.sh"), *overrides, "--cfg", "job"], cwd=cwd,
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return yaml.safe_load(out.stdout)
 
 
+# Each composition is a `verl.trainer.main_ppo --cfg job` run, whose cost is importing verl.
+COMPOSITIONS = {
+    **{recipe: (recipe, (), {}) for recipe in GPU_RECIPES},
+    "multinode_from_env": ("qwen2.5_32b_grpo_multinode", (), {"NNODES": "2", "DRAFTER": "/drafters/eagle"}),
+    "tiny_gpu": ("tiny_gpu_grpo", (), {}),
+    # `./tlt run` appends +tlt.enable / +tlt.drafter.init; Hydra refuses a key added twice.
+    "tiny_gpu_callers_switch": ("tiny_gpu_grpo", ("+tlt.enable=true", "+tlt.drafter.init=/drafters/eagle"), {}),
+    "tiny_cpu": ("tiny_cpu_grpo", (), {}),
+}
+
+
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipes")
+    return concurrently({name: (lambda name=name, r=r, o=o, e=e: _compose(r, root / name, *o, **e))
+                         for name, (r, o, e) in COMPOSITIONS.items()})
+
+
 @pytest.mark.parametrize("recipe", sorted(GPU_RECIPES))
-def test_gpu_recipe_composes_with_tlt(recipe, tmp_path):
-    cfg = composed(recipe, tmp_path)
+def test_gpu_recipe_composes_with_tlt(recipe, composed):
+    cfg = composed[recipe]
     assert cfg["trainer"]["nnodes"] == GPU_RECIPES[recipe] and cfg["trainer"]["n_gpus_per_node"] == 8
     assert cfg["actor_rollout_ref"]["rollout"]["name"] == "tlt_vllm"
     tlt = TLTConfig.from_dict(cfg["tlt"])
     assert tlt.enable and tlt.drafter.init == "scratch" and tlt.sd.threshold == 32
 
 
-def test_drafter_and_nodes_come_from_the_environment(tmp_path):
-    cfg = composed("qwen2.5_32b_grpo_multinode", tmp_path, NNODES="2", DRAFTER="/drafters/eagle")
+def test_drafter_and_nodes_come_from_the_environment(composed):
+    cfg = composed["multinode_from_env"]
     assert cfg["trainer"]["nnodes"] == 2 and cfg["tlt"]["drafter"]["init"] == "/drafters/eagle"
 
 
-def test_tiny_gpu_recipe_composes_for_one_gpu_with_tlt(tmp_path):
-    cfg = composed("tiny_gpu_grpo", tmp_path)
+def test_tiny_gpu_recipe_composes_for_one_gpu_with_tlt(composed):
+    cfg = composed["tiny_gpu"]
     rollout = cfg["actor_rollout_ref"]["rollout"]
     assert cfg["trainer"]["n_gpus_per_node"] == 1 and cfg["trainer"]["total_training_steps"] == 3
     assert rollout["name"] == "tlt_vllm" and rollout["tensor_model_parallel_size"] == 1
@@ -47,7 +68,28 @@ def test_tiny_gpu_recipe_composes_for_one_gpu_with_tlt(tmp_path):
     assert tlt.enable and tlt.drafter.init == "scratch"
 
 
-def test_tiny_gpu_recipe_takes_the_callers_tlt_switch(tmp_path):
-    # `./tlt run` appends +tlt.enable / +tlt.drafter.init; Hydra refuses a key added twice.
-    cfg = composed("tiny_gpu_grpo", tmp_path, "+tlt.enable=true", "+tlt.drafter.init=/drafters/eagle")
-    assert cfg["tlt"] == {"enable": True, "drafter": {"init": "/drafters/eagle"}}
+def test_tiny_gpu_recipe_takes_the_callers_tlt_switch(composed):
+    assert composed["tiny_gpu_callers_switch"]["tlt"] == {"enable": True, "drafter": {"init": "/drafters/eagle"}}
+
+
+@pytest.mark.parametrize("recipe", ["tiny_cpu", "tiny_gpu"])
+def test_tiny_recipes_sample_with_the_fast_poll_replay_buffer(recipe, composed):
+    """Both arms of a tiny-recipe comparison (TLT on and off) take verl's sync replay buffer polled
+    every 0.1 s, and verl's loader finds the class the recipe names."""
+    from verl.utils.import_utils import load_extern_object
+
+    from tlt_verl.launch.sampler import DEFAULT_POLL_INTERVAL_S, FastPollReplayBuffer
+
+    sampler = composed[recipe]["trainer"]["v1"]["sampler"]
+    cls = load_extern_object(sampler["custom_sampler"]["path"], sampler["custom_sampler"]["name"])
+    assert cls is FastPollReplayBuffer
+    kwargs = dict(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=sampler["max_off_policy_threshold"],
+                  max_off_policy_strategy=sampler["max_off_policy_strategy"], refill_fn=None)
+    assert cls(sampler_kwargs=sampler["sampler_kwargs"], **kwargs).poll_interval == DEFAULT_POLL_INTERVAL_S < 2.0
+    assert cls(sampler_kwargs={"poll_interval_s": 0.5}, **kwargs).poll_interval == 0.5
+    for bad, message in [({"poll_interval_s": 0}, "poll_interval_s=0: must be"),
+                         ({"poll_intervall_s": 1}, "unknown option(s) ['poll_intervall_s']")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cls(sampler_kwargs=bad, **kwargs)
+    with pytest.raises(ValueError, match="trainer.v1.trainer_mode=async"):
+        cls(sampler_kwargs={}, **{**kwargs, "trainer_mode": "async"})
