@@ -4,22 +4,57 @@ import json
 import pandas as pd
 import pytest
 
+from _subproc import concurrently
 from conftest import run_main_ppo
 from tlt_verl.task.longtail import write_parquet
-
-
-@pytest.fixture()
-def inputs(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    train = write_parquet(tmp_path / "train.parquet", 8, 0, "train")
-    return {"model": model, "train": train, "dir": tmp_path}
 
 
 def _args(model, train, *extra):
     return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={train}",
             "actor_rollout_ref.rollout.name=vllm", *extra]
+
+
+# A mistake -> (the trainer's arguments, given the inputs; what its one line must say).
+TLT = ("+tlt.enable=true",)
+CASES = {
+    "missing_model_path": (lambda i: _args(i["dir"] / "nope", i["train"]),
+                           ["actor_rollout_ref.model.path=", "no such model directory"]),
+    "gpu_only_option_on_cpu": (lambda i: _args(i["model"], i["train"], "actor_rollout_ref.actor.strategy=fsdp"),
+                               ["actor_rollout_ref.actor.strategy=fsdp needs a GPU", "fsdp2"]),
+    "malformed_dataset_row": (lambda i: _args(i["model"], i["bad"]),
+                              ["data.train_files", "bad.parquet row 5", "'prompt'"]),
+    "missing_dataset_file": (lambda i: _args(i["model"], i["dir"] / "missing.parquet"),
+                             ["data.train_files: no such file"]),
+    "no_drafter_source": (lambda i: _args(i["model"], i["train"], *TLT),
+                          ["tlt.drafter.init: not set", "scratch"]),
+    "unsupported_rollout_engine": (lambda i: _args(i["model"], i["train"], *TLT, "+tlt.drafter.init=scratch",
+                                                   "actor_rollout_ref.rollout.name=hf"),
+                                   ["actor_rollout_ref.rollout.name=hf is not supported by TLT"]),
+    "unknown_option": (lambda i: _args(i["model"], i["train"], *TLT, "+tlt.drafter.init=scratch",
+                                       "+tlt.spot.train_evry_steps=2"),
+                       ["tlt.spot: unknown option(s) ['train_evry_steps']"]),
+}
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """Every case's trainer run, two at a time: each stops at start-up, so its cost is importing verl."""
+    root = tmp_path_factory.mktemp("bad_input")
+    model = root / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    train = write_parquet(root / "train.parquet", 8, 0, "train")
+    df = pd.read_parquet(train)
+    df.at[5, "prompt"] = []  # an empty conversation
+    df.to_parquet(root / "bad.parquet")
+    inputs = {"model": model, "train": train, "bad": root / "bad.parquet", "dir": root}
+
+    def job(name):
+        cwd = root / name
+        cwd.mkdir()
+        return lambda: run_main_ppo(CASES[name][0](inputs), cwd=cwd, timeout=240)
+
+    return concurrently({name: job(name) for name in CASES})
 
 
 def _one_line_error(out):
@@ -30,47 +65,10 @@ def _one_line_error(out):
     return lines[0]
 
 
-def test_missing_model_path(inputs):
-    out = run_main_ppo(_args(inputs["dir"] / "nope", inputs["train"]), cwd=inputs["dir"], timeout=120)
-    line = _one_line_error(out)
-    assert "actor_rollout_ref.model.path=" in line and "no such model directory" in line
-
-
-def test_gpu_only_option_on_cpu(inputs):
-    out = run_main_ppo(_args(inputs["model"], inputs["train"], "actor_rollout_ref.actor.strategy=fsdp"),
-                       cwd=inputs["dir"], timeout=120)
-    line = _one_line_error(out)
-    assert "actor_rollout_ref.actor.strategy=fsdp needs a GPU" in line and "fsdp2" in line
-
-
-def test_malformed_dataset_row(inputs):
-    bad = inputs["dir"] / "bad.parquet"
-    df = pd.read_parquet(inputs["train"])
-    df.at[5, "prompt"] = []  # an empty conversation
-    df.to_parquet(bad)
-    out = run_main_ppo(_args(inputs["model"], bad), cwd=inputs["dir"], timeout=120)
-    line = _one_line_error(out)
-    assert "data.train_files" in line and "bad.parquet row 5" in line and "'prompt'" in line
-
-
-def test_missing_dataset_file(inputs):
-    out = run_main_ppo(_args(inputs["model"], inputs["dir"] / "missing.parquet"), cwd=inputs["dir"], timeout=120)
-    line = _one_line_error(out)
-    assert "data.train_files: no such file" in line
-
-
-@pytest.mark.parametrize("extra, expected", [
-    ([], ["tlt.drafter.init: not set", "scratch"]),
-    (["+tlt.drafter.init=scratch", "actor_rollout_ref.rollout.name=hf"],
-     ["actor_rollout_ref.rollout.name=hf is not supported by TLT"]),
-    (["+tlt.drafter.init=scratch", "+tlt.spot.train_evry_steps=2"],
-     ["tlt.spot: unknown option(s) ['train_evry_steps']"]),
-], ids=["no_drafter_source", "unsupported_rollout_engine", "unknown_option"])
-def test_tlt_bad_input(inputs, extra, expected):
-    out = run_main_ppo(_args(inputs["model"], inputs["train"], "+tlt.enable=true", *extra),
-                       cwd=inputs["dir"], timeout=120)
-    line = _one_line_error(out)
-    for text in expected:
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_mistake_stops_the_trainer_in_one_line(outputs, case):
+    line = _one_line_error(outputs[case])
+    for text in CASES[case][1]:
         assert text in line, line
 
 

@@ -129,7 +129,7 @@ def test_served_with_the_drafter_answers_as_without_it(exported, tmp_path):
 
     with servers(exported["run_dir"], tmp_path / "logs") as started:
         result = compare({name: s.url for name, s in started.items()}, task_messages(3, seed=2024),
-                         rounds=3, max_tokens=160)
+                         rounds=2, max_tokens=160)
         sd_log = started["sd"].log.read_text(errors="replace")
     print(json.dumps({k: v for k, v in result.items() if k != "per_round"}, indent=1))
     assert result["identical_fraction"] == 1.0, result["per_round"]
