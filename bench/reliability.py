@@ -4,7 +4,7 @@ picks it up with nothing lost.
     .venv/bin/python bench/reliability.py [--driver-kills 10] [--rank-kill 1] [--engine-kill 1]
                                           [--steps 3] [--seed 0] [--out bench/results/reliability.json]
 
-A reference run (the default `./tlt run`, TLT on, warm drafter, a checkpoint every step) gives the
+A reference run (`./tlt run`, TLT on, warm drafter trained in the rollout, a checkpoint every step) gives the
 run's length T. Then each trial starts the same run in a fresh folder, with a Ray of its own, and:
 
 - driver: SIGKILLs verl's driver (the `main_ppo` process); every other time at a moment drawn
@@ -60,7 +60,9 @@ HANG_S = 300.0          # a killed run that has not exited by then is recorded a
 
 def launch(run_dir: Path, steps: int, ray: OwnRay, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tlt_verl.cli", "run", "--steps", str(steps), "--run-dir", str(run_dir),
-           "trainer.save_freq=1", "trainer.resume_mode=auto"]
+           # The drafter trains (on CPU the default, train_drafter=auto, leaves it frozen): kills
+           # then also land in drafter sessions and pushes.
+           "trainer.save_freq=1", "trainer.resume_mode=auto", "+tlt.spot.train_drafter=true"]
     env = dict(os.environ, **ray.env, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)

@@ -1,5 +1,9 @@
 """End-to-end benchmark: the tiny recipe with TLT, without it, and with TLT's drafter frozen at
-step 0; same seed and data, the arms one after the other, `--repeats` times in alternating order.
+step 0 or forced to train; same seed and data, the arms one after the other, `--repeats` times in
+alternating order. `tlt` is TLT as `./tlt run` runs it (tlt.spot.train_drafter=auto: on CPU the
+drafter does not train, so there it is the frozen arm without capture); `tlt_adaptive` trains the
+drafter on drained replicas whatever the device, and is the adaptive side of the adaptive/frozen
+ratio when it runs (else `tlt` is).
 
 Writes JSON with the ratios pooled over the repeats at the top level (`step_time_baseline_over_tlt`,
 `rollout_time_baseline_over_tlt`, `non_rollout_tlt_over_baseline`,
@@ -27,17 +31,27 @@ ARMS = {
     "baseline": {"tlt": False},
     "tlt": {"tlt": True},
     "tlt_frozen_drafter": {"tlt": True, "overrides": ["+tlt.spot.train_drafter=false"]},
+    "tlt_adaptive": {"tlt": True, "overrides": ["+tlt.spot.train_drafter=true"]},
 }
+FROZEN = "tlt_frozen_drafter"
+
+
+def adaptive_arm(names) -> str | None:
+    """The arm whose drafter adapts online, if this run can compare it with the frozen one."""
+    if FROZEN not in names:
+        return None
+    return next((n for n in ("tlt_adaptive", "tlt") if n in names), None)
 
 
 def frozen_vs_adaptive(results: dict, last: int = 5) -> dict:
     """Rollout speed of the adaptive drafter over the frozen one: rollout-time ratios over steps
     5 to the last, and over the last `last` steps (where the adaptive drafter has trained most)."""
-    a, f = results["tlt"]["steps"], results["tlt_frozen_drafter"]["steps"]
+    adaptive = adaptive_arm(results)
+    a, f = results[adaptive]["steps"], results[FROZEN]["steps"]
     tail_from = max(s["step"] for s in a) - last + 1
     acc = {name: [s["tlt"]["acceptance_length"] for s in results[name]["steps"] if s.get("tlt")]
-           for name in ("tlt", "tlt_frozen_drafter")}
-    return {"rollout_speed_ratio": ratio(f, a, "gen_s"),
+           for name in (adaptive, FROZEN)}
+    return {"adaptive_arm": adaptive, "rollout_speed_ratio": ratio(f, a, "gen_s"),
             f"rollout_speed_ratio_last{last}": ratio(f, a, "gen_s", first=tail_from),
             "acceptance_length": acc}
 
@@ -55,7 +69,7 @@ def summary(results: dict) -> dict:
                    non_rollout_tlt_over_baseline=ratio(non_rollout(results["tlt"]["steps"]),
                                                        non_rollout(results["baseline"]["steps"]), "non_rollout_s"),
                    tlt_vs_baseline=c)
-    if {"tlt", "tlt_frozen_drafter"} <= set(results):
+    if adaptive_arm(results):
         f = frozen_vs_adaptive(results)
         out.update(adaptive_over_frozen_rollout_speed=f["rollout_speed_ratio"], adaptive_vs_frozen_drafter=f)
     return out
@@ -70,8 +84,9 @@ def pooled(repeats: list[dict]) -> dict:
         out.update(step_time_baseline_over_tlt=ratio(b, t, "step_s", first=0),
                    rollout_time_baseline_over_tlt=ratio(b, t, "gen_s", first=0),
                    non_rollout_tlt_over_baseline=ratio(non_rollout(t), non_rollout(b), "non_rollout_s", first=0))
-    if {"tlt", "tlt_frozen_drafter"} <= set(arms):
-        out["adaptive_over_frozen_rollout_speed"] = ratio(arms["tlt_frozen_drafter"], arms["tlt"], "gen_s", first=0)
+    adaptive = adaptive_arm(arms)
+    if adaptive:
+        out["adaptive_over_frozen_rollout_speed"] = ratio(arms[FROZEN], arms[adaptive], "gen_s", first=0)
     return out
 
 
@@ -80,7 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--drafter", default="warm",
                    help="tlt.drafter.init of both TLT arms: warm (the cached offline-trained drafter), scratch, or a folder")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)} "
+                   "(on a GPU, where tlt trains its drafter, tlt_adaptive repeats it)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "tlt_e2e.json"))
     p.add_argument("--repeats", type=int, default=2, help="runs of every arm, in alternating order")
     p.add_argument("--run-dir", default=None, help="where the runs go (default: runs/tlt_e2e-<time>)")
@@ -120,7 +136,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     png = plot_arms(results, out.with_suffix(".png"), f"tiny_cpu_grpo, {args.steps} steps: "
-                    f"TLT vs stock verl vs TLT with the drafter frozen at step 0 (init: {args.drafter}); repeat 1")
+                    f"{' vs '.join(results)} (init: {args.drafter}); repeat 1")
     print(f"tlt-verl: wrote {out} and {png}")
     return 0
 

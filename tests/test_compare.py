@@ -46,3 +46,25 @@ def test_plot_arms_writes_png(tmp_path):
     png = plot_arms(res, tmp_path / "c.png", "t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     json.dumps(tlt_vs_baseline(res))  # the report is JSON as it stands
+
+
+def test_adaptive_over_frozen_takes_the_arm_that_trains():
+    """bench/tlt_e2e.py: where `tlt` does not train its drafter (CPU, train_drafter=auto), the
+    adaptive side of adaptive/frozen is `tlt_adaptive`; without it, `tlt`; without a frozen arm, none."""
+    from bench.tlt_e2e import pooled, summary
+
+    frozen = _steps([8] * 6, [4] * 6, [0.1] * 6, crit=0.0)
+    arms = {"baseline": {"steps": _steps([8] * 6, [4] * 6, [0.1] * 6)},
+            "tlt": {"steps": _steps([8] * 6, [4] * 6, [0.1] * 6, crit=0.0)},
+            "tlt_adaptive": {"steps": _steps([10] * 6, [5] * 6, [0.1] * 6, crit=0.0)},
+            "tlt_frozen_drafter": {"steps": frozen}}
+    s = summary(arms)
+    assert s["adaptive_vs_frozen_drafter"]["adaptive_arm"] == "tlt_adaptive"
+    assert s["adaptive_over_frozen_rollout_speed"] == pytest.approx(0.8)
+    assert pooled([arms, arms])["adaptive_over_frozen_rollout_speed"] == pytest.approx(0.8)
+    without = {k: v for k, v in arms.items() if k != "tlt_adaptive"}
+    assert summary(without)["adaptive_vs_frozen_drafter"]["adaptive_arm"] == "tlt"
+    assert summary(without)["adaptive_over_frozen_rollout_speed"] == pytest.approx(1.0)
+    no_frozen = {k: v for k, v in arms.items() if k != "tlt_frozen_drafter"}
+    assert "adaptive_over_frozen_rollout_speed" not in summary(no_frozen)
+    assert "adaptive_over_frozen_rollout_speed" not in pooled([no_frozen])

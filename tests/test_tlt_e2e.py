@@ -30,6 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_ray")]
 TLT = ["+tlt.enable=true", "+tlt.drafter.init=scratch", "trainer.save_freq=1",
        # Short pulls: the bandit moves within the few decode steps of a two-step run.
        "+tlt.sd.steps_per_pull=4"]
+# The first run trains the drafter in the rollout although the replicas run on CPU: training,
+# capture, pushes and their recovery are what it checks. The resumed run keeps the default
+# (tlt.spot.train_drafter=auto), which on CPU serves the resumed drafter without training it.
+TRAIN = ["+tlt.spot.train_drafter=true"]
 
 
 def _metrics(run_dir):
@@ -67,7 +71,7 @@ def runs(assets, no_leftover_ray, tmp_path_factory, request):   # verl's local R
     killer = threading.Thread(target=_kill_drafter_in_step_3, args=(run_dir, killed), daemon=True)
     killer.start()
     try:
-        first = run(RunConfig(steps=3, run_dir=run_dir, quiet=True, assets_root=assets["root"], overrides=TLT))
+        first = run(RunConfig(steps=3, run_dir=run_dir, quiet=True, assets_root=assets["root"], overrides=TLT + TRAIN))
     except RunError as e:
         first = {"error": str(e)}
     killer.join(timeout=5)
@@ -181,6 +185,18 @@ def test_drafter_checkpoint_in_verl_step_folder_and_resume(runs):
     assert sorted(m2) == [4]
     # The resumed drafter carries on from the saved one (its optimizer step count), not from scratch.
     assert m2[4]["tlt/drafter/state_version"] >= runs["m1"][3]["tlt/drafter/state_version"] > 0
+
+
+def test_on_cpu_the_default_serves_the_drafter_without_training_or_capture(runs):
+    """tlt.spot.train_drafter: the first run set it true and trained on states captured from the
+    actor update; the resumed run kept auto, which on CPU trains nothing and captures nothing (a
+    drained replica's core is not idle there), while SD still ran with the resumed drafter."""
+    assert "tlt: drafter training in the rollout: on (tlt.spot.train_drafter=True, rollout on cpu)" in runs["log1"]
+    assert "tlt: drafter training in the rollout: off (tlt.spot.train_drafter=auto, rollout on cpu)" in runs["log2"]
+    assert any(m["tlt/drafter/buffer_samples"] > 0 for m in runs["m1"].values())
+    m = runs["m2"][4]
+    assert m["tlt/spot/train_steps"] == 0 and m["tlt/spot/sessions"] == 0 and m["tlt/drafter/buffer_samples"] == 0
+    assert m["tlt/sd/sd_step_share"] > 0
 
 
 def test_sigkill_of_the_drafter_mid_step_loses_no_checkpoint(runs):

@@ -32,7 +32,8 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
     _tlt_service = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def tlt_init_drafter(self, service_config: dict, replica_of_rank: dict) -> dict:
+    def tlt_init_drafter(self, service_config: dict, replica_of_rank: dict, train_drafter) -> dict:
+        from tlt_verl.integration.config import trains_drafter
         from tlt_verl.spot import registry
         from tlt_verl.spot.drafter_process import DrafterProcess
         from tlt_verl.spot.drafter_service import DrafterServiceConfig
@@ -42,9 +43,13 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
         core = _core_of(self._tlt_replica) if self._device() == "cpu" else None
         # The drafter trains on this rank's own device (bf16 autocast, NCCL sessions on a GPU).
         service_config = {**service_config, "device": self._rank_device()}
-        self._tlt_service = DrafterProcess(str(target), DrafterServiceConfig.from_dict(service_config), core=core)
+        # A drafter that never trains reads nothing from the actor update: no capture, no staging.
+        trains = trains_drafter(train_drafter, self._device())
+        self._tlt_service = DrafterProcess(str(target), DrafterServiceConfig.from_dict(service_config), core=core,
+                                           capture=trains)
         registry.set_service(self._tlt_service)
-        return {"rank": self.rank, "replica": self._tlt_replica, "pid": self._tlt_service.pid}
+        return {"rank": self.rank, "replica": self._tlt_replica, "pid": self._tlt_service.pid,
+                "device": self._device(), "trains": trains}
 
     # ---- sessions (one worker at a time, from the coordinator) -------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from tlt_verl.capture.buffer import BufferConfig
 from tlt_verl.drafter.trainer import TrainerConfig
@@ -22,6 +22,7 @@ SUPPORTED_ROLLOUTS = ("tlt_vllm", "vllm")
 # verl trainer modes TLT extends (its hooks are the synchronous colocated trainer's).
 SUPPORTED_TRAINER_MODES = ("sync",)
 SCRATCH = "scratch"
+AUTO = "auto"
 
 
 class TLTConfigError(ValueError):
@@ -59,9 +60,12 @@ class DrafterSection:
 
 @dataclass(frozen=True)
 class SpotSection:
-    # False: the drafter stays as tlt.drafter.init gave it (SD still runs); the frozen-drafter
-    # baseline of bench/tlt_e2e.py.
-    train_drafter: bool = True
+    # Train the drafter on drained replicas during the rollout: true, false (the drafter stays as
+    # tlt.drafter.init gave it; SD still runs, nothing is captured), or auto: true where the rollout
+    # replicas run on GPUs, false on CPU. A drained replica's GPU is idle; on CPU its core is not:
+    # the replica still decoding, verl's agent loop and reward share the cores and memory system,
+    # and training there made the rollout 1.2-1.4x slower (bench/results/tlt_e2e.json, arm tlt_adaptive).
+    train_drafter: Union[bool, str] = "auto"
     # Train the drafter in the long tail every N RL steps (1: every step).
     train_every_steps: int = 1
     # ... or whenever the mean acceptance length of the last rollout fell below this (0: off).
@@ -73,6 +77,8 @@ class SpotSection:
     preempt_timeout_s: float = 10.0
 
     def __post_init__(self):
+        if self.train_drafter not in (True, False, AUTO):
+            raise ValueError(f"train_drafter={self.train_drafter!r}: must be true, false or {AUTO}")
         if self.train_every_steps < 1:
             raise ValueError(f"train_every_steps={self.train_every_steps}: must be >= 1")
         for name in ("drain_grace_s", "retrain_below_acceptance"):
@@ -81,6 +87,12 @@ class SpotSection:
         for name in ("poll_interval_s", "preempt_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
+
+
+def trains_drafter(setting: Union[bool, str], device: str) -> bool:
+    """tlt.spot.train_drafter for a rank whose rollout replica runs on ``device`` (verl's device
+    name: "cuda", "npu", "cpu")."""
+    return device != "cpu" if setting == AUTO else bool(setting)
 
 
 def _resolve_kind(d: DrafterSection) -> DrafterSection:

@@ -98,7 +98,10 @@ class TLTTrainer(PPOTrainerSync):
             slots.append(ReplicaSlot(rank=rep.replica_rank, server=ray.get_actor(server_actor_name(name, rep.replica_rank)),
                                      workers=list(rep.workers), worker_ranks=ranks))
         self._tlt_servers = [s.server for s in slots]
-        wg.tlt_init_drafter(self._service_config(), replica_of_rank)
+        ranks = wg.tlt_init_drafter(self._service_config(), replica_of_rank, self.tlt.spot.train_drafter)
+        self._tlt_trains = all(r["trains"] for r in ranks)
+        print(f"tlt: drafter training in the rollout: {'on' if self._tlt_trains else 'off'} "
+              f"(tlt.spot.train_drafter={self.tlt.spot.train_drafter}, rollout on {ranks[0]['device']})", flush=True)
         self.coordinator = SpotCoordinator(slots, self._call, self.tlt.spot)
         if self._tlt_resume_folder is not None:
             loaded = wg.tlt_load_drafter(os.path.join(self._tlt_resume_folder, DRAFTER_DIR))
@@ -136,7 +139,7 @@ class TLTTrainer(PPOTrainerSync):
 
     def _should_train(self) -> bool:
         spot = self.tlt.spot
-        if not spot.train_drafter:
+        if not self._tlt_trains:
             return False
         if self.global_steps % spot.train_every_steps == 0:
             return True

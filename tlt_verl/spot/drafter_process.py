@@ -112,9 +112,9 @@ def _same(held: torch.Tensor, new: torch.Tensor) -> bool:
 
 class DrafterProcess:
     def __init__(self, target_dir: str, cfg: DrafterServiceConfig, core: Optional[int] = None,
-                 start_timeout_s: float = 300.0):
-        """Start the child (and wait until its service is built: a bad ``cfg`` fails here) and
-        capture this process's actor update into the staging buffer."""
+                 start_timeout_s: float = 300.0, capture: bool = True):
+        """Start the child (and wait until its service is built: a bad ``cfg`` fails here) and,
+        with ``capture``, capture this process's actor update into the staging buffer."""
         from tlt_verl.capture import verl_capture
 
         self.cfg, self._target_dir, self._core = cfg, str(target_dir), core
@@ -131,7 +131,8 @@ class DrafterProcess:
         self.pid, aux = self._spawn()
         self._ready.set()
         self.staging = StagingBuffer(cfg.buffer.budget_bytes)
-        verl_capture.enable(cfg.kind, aux, cfg.buffer, sink=self.staging)
+        if capture:
+            verl_capture.enable(cfg.kind, aux, cfg.buffer, sink=self.staging)
 
     # ------------------------------------------------------------------ the child
 
