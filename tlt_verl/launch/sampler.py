@@ -8,8 +8,8 @@ recipes plug this class in through verl's own extension point
 (`trainer.v1.sampler.custom_sampler.{path,name}`) for every run, TLT on or off, so that both arms of
 a comparison sample the same way. A look costs one metadata sync with TransferQueue (a few ms).
 
-verl's custom-sampler contract passes no group-filtering (DAPO) options: this class refuses them
-rather than run without them.
+verl hands a custom sampler none of the group-filtering (DAPO) options, so a recipe that sets
+`algorithm.filter_groups` must keep verl's own sampler; the tiny recipes filter nothing.
 """
 from __future__ import annotations
 
