@@ -118,6 +118,9 @@ class DrafterProcess:
         from tlt_verl.capture import verl_capture
 
         self.cfg, self._target_dir, self._core = cfg, str(target_dir), core
+        # Whether this rank's drafter trains: only then does it read the actor update and the
+        # target's embedding and LM head (tlt_verl/rollout/engine/adapter.py).
+        self.capture = capture
         self._start_timeout_s = start_timeout_s
         self._lock = threading.RLock()            # one call on the pipe at a time
         self._ready = threading.Event()

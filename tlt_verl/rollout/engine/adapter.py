@@ -22,6 +22,8 @@ class VllmServerAdapter(ServerAdapter):
             # receiver that never connects: fail here, in one line, instead.
             await self.server_handle.check_awake.remote("reload the target weights", ("weights",))
         svc = _drafter_service()
+        if svc is not None and not svc.capture:
+            svc = None             # a drafter that does not train needs no copy of the target's tensors
         taken: dict[str, torch.Tensor] = {}
         if svc is not None:
             weights = _tap(weights, (EMBED, LM_HEAD), taken)
