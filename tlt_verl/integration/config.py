@@ -72,7 +72,12 @@ class SpotSection:
     retrain_below_acceptance: float = 0.0
     # A replica counts as drained once it has had no request in flight for this long.
     drain_grace_s: float = 0.05
+    # How often the coordinator looks at the replicas' request counts while the rollout trains
+    # (a drained rank should join at once), and while it does not (then only the timeline needs
+    # them: each look is a Ray call to every replica's server, whose event loop also streams the
+    # rollout's tokens, so 50 looks a second would be work stock verl does not do).
     poll_interval_s: float = 0.02
+    observe_interval_s: float = 0.25
     # Bound on waiting for a preempted training session to stop.
     preempt_timeout_s: float = 10.0
 
@@ -84,7 +89,7 @@ class SpotSection:
         for name in ("drain_grace_s", "retrain_below_acceptance"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
-        for name in ("poll_interval_s", "preempt_timeout_s"):
+        for name in ("poll_interval_s", "observe_interval_s", "preempt_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
 

@@ -70,7 +70,7 @@ class SpotCoordinator:
         # harvested_s: seconds ranks spent training (summed over members); session_s: seconds ranks
         # sat in sessions, waiting for data included.
         self.stats = {"harvested_s": 0.0, "session_s": 0.0, "sessions": 0, "train_steps": 0, "preempt_s": 0.0,
-                      "train_tokens": 0}
+                      "train_tokens": 0, "polls": 0}
         self.rollout_t0 = now = time.time()
         # Requests of this rollout may already be routed by now: a replica's work is counted from
         # the last `resync()` (the previous rollout's end, or a validation's), not from here.
@@ -114,15 +114,18 @@ class SpotCoordinator:
     # ---- following the replicas -------------------------------------------------------------
 
     def _run(self) -> None:
+        # A rollout that trains nothing only needs the timeline, which a slower look keeps.
+        interval = self.cfg.poll_interval_s if self._train else self.cfg.observe_interval_s
         while not self._stop.is_set():
             try:
                 self._poll()
             except Exception:  # the rollout itself reports real failures; never kill it from here
                 logger.exception("tlt spot coordinator: poll failed")
-            self._stop.wait(self.cfg.poll_interval_s)
+            self._stop.wait(interval)
 
     def _poll(self) -> None:
         counts = ray.get([s.server.request_counts.remote() for s in self.slots])
+        self.stats["polls"] += 1
         now = time.time()
         with self._lock:
             if self._stop.is_set():
