@@ -161,19 +161,11 @@ def analyse(raw: dict, args) -> dict:
             "summary_per_round": [r["summary"] for r in rounds],
         }
     wall = {m: out["modes"][m]["wall_s"] for m in modes}
-    fixed = [m for m in modes if m.startswith("fixed")]
-    best = min(fixed, key=wall.get)
-    out["speedup"] = {"adaptive_vs_plain": wall["plain"] / wall["adaptive"],
-                      "adaptive_vs_best_fixed": wall[best] / wall["adaptive"], "best_fixed": best,
-                      **{f"{m}_vs_plain": wall["plain"] / wall[m] for m in fixed}}
+    out["speedup"] = _ratios({m: 1.0 / wall[m] for m in modes})
     # At T > 0 the modes sample different (equally distributed) responses, so a round's wall clock
     # also follows how long its responses came out; decode throughput (tokens per second of the
     # whole rollout) compares the engines on what each actually decoded.
-    rate = {m: out["modes"][m]["tokens"] / wall[m] for m in modes}
-    best_rate = max(fixed, key=rate.get)
-    out["throughput_speedup"] = {"adaptive_vs_plain": rate["adaptive"] / rate["plain"],
-                                 "adaptive_vs_best_fixed": rate["adaptive"] / rate[best_rate], "best_fixed": best_rate,
-                                 **{f"{m}_vs_plain": rate[m] / rate["plain"] for m in fixed}}
+    out["throughput_speedup"] = _ratios({m: out["modes"][m]["tokens"] / wall[m] for m in modes})
     out["goals"] = GOALS
     out["final_arms"] = raw["final_arms"]
     out["bandit"] = raw["bandit"]
@@ -184,6 +176,15 @@ def analyse(raw: dict, args) -> dict:
     out["by_batch_vs_plain"] = {m: {b: v / out["by_batch"]["plain"][b] for b, v in out["by_batch"][m].items()
                                     if out["by_batch"]["plain"].get(b)} for m in modes if m != "plain"}
     return out
+
+
+def _ratios(speed: dict[str, float]) -> dict:
+    """Adaptive and each fixed k against plain, and adaptive against the fastest fixed k, by `speed`."""
+    fixed = [m for m in speed if m.startswith("fixed")]
+    best = max(fixed, key=speed.get)
+    return {"adaptive_vs_plain": speed["adaptive"] / speed["plain"],
+            "adaptive_vs_best_fixed": speed["adaptive"] / speed[best], "best_fixed": best,
+            **{f"{m}_vs_plain": speed[m] / speed["plain"] for m in fixed}}
 
 
 def by_batch(records: list[dict]) -> dict[str, float]:
