@@ -11,10 +11,11 @@ is long. The schedule is off (k=0) above batch 4 and k=3 at 4 and below, so SD c
   it up on every position the target computed (the prompt blocks another request computed, too).
 - "all_along": the reference, an engine that drafted all along: the long requests' prompts with
   their first SHORT tokens, k=3 from the prefill on, so the drafter read every position too.
-Greedy decoding makes both continue with the same tokens, so the acceptance after the switch must
-equal the reference's. The negative control is the same run with the catch-up disabled
-(TLT_VLLM_DISABLE_SD_CATCH_UP=1, the skipped positions are then never shown to the drafter):
-its acceptance must fall. All three run in one engine, the prefix cache reset before each.
+Greedy decoding makes both continue with the same tokens, so the drafts after the switch must be
+the reference's: the same number accepted at each drafting step. The negative control is the same
+run with the catch-up disabled (TLT_VLLM_DISABLE_SD_CATCH_UP=1, the skipped positions are then
+never shown to the drafter): its drafts right after the switch differ from the reference's. All three run in one engine, the prefix cache reset and the drafter's KV
+cache zeroed before each.
 """
 from __future__ import annotations
 
@@ -56,10 +57,20 @@ def _child(spec: dict) -> dict:
     def greedy(n):
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
 
+    layers = runner.compilation_config.static_forward_context
+
+    def forget_drafter_kv():
+        # A new block may be a block an earlier run wrote, with the drafter's keys and values for the
+        # same tokens at the same positions: the control's holes would then hold what the catch-up
+        # writes, and its acceptance would not fall. Each run starts from a drafter cache of zeros.
+        for name in runner.drafter._draft_attn_layer_names:
+            layers[name].kv_cache.zero_()
+
     def run(name, schedule, requests):
         sd_control.set_sd_schedule(llm, schedule)
         sd_control.take_sd_metrics(llm)
         llm.reset_prefix_cache()
+        forget_drafter_kv()
         before = catch_up.stats(runner)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests], [greedy(n) for _, n in requests],
                             use_tqdm=False)
@@ -69,6 +80,7 @@ def _child(spec: dict) -> dict:
         return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "off_steps": sum(m.k == 0 for m in steps), "drafting_steps": len(drafting),
                 "acceptance": sum(sum(m.accepted_per_pos) for m in drafting) / max(sum(m.drafted_reqs for m in drafting), 1),
+                "acceptance_by_step": [sum(m.accepted_per_pos) / m.drafted_reqs for m in drafting],
                 **{k: after[k] - before[k] for k in ("skipped_steps", "caught_up_rows", "truncated_rows")},
                 "pending_after": after["pending_rows"]}
 
@@ -112,6 +124,17 @@ def not_caught_up(result):
     return result["not_caught_up"]
 
 
+def _drafts_as_if_drafting_all_along(run: dict, reference: dict, steps: int = 10) -> bool:
+    """The first drafting steps after the switch accept what the reference's accept, step for step.
+
+    Greedy, same tokens: a drafter that holds the same history drafts the same tokens, so the counts
+    match exactly. History matters most right after the switch; later the skipped positions are far
+    behind, and an EAGLE-3 drafter, which also reads the target's hidden state, barely misses them
+    (mean acceptance over the whole tail fell only from 1.75 to 1.70 without the catch-up, within
+    the noise of 50 steps of 4 requests; its first 10 steps matched the reference's in 1 of 10)."""
+    return run["acceptance_by_step"][:steps] == reference["acceptance_by_step"][:steps]
+
+
 def _tails(res):
     return [t[SHORT:] for t in res["off_on"]["tokens"][-PROMPTS:]], res["all_along"]["tokens"]
 
@@ -137,6 +160,7 @@ def test_acceptance_after_the_switch_equals_drafting_all_along(caught_up):
           f"{off_on['acceptance']:.3f}, drafted all along {all_along['acceptance']:.3f}")
     assert all_along["acceptance"] > 0.5, all_along    # the warm drafter is accepted: a real comparison
     assert off_on["acceptance"] >= 0.97 * all_along["acceptance"], (off_on, all_along)
+    assert _drafts_as_if_drafting_all_along(off_on, all_along), (off_on["acceptance_by_step"], all_along["acceptance_by_step"])
 
 
 @pytest.mark.slow
@@ -146,7 +170,9 @@ def test_without_catch_up_acceptance_falls(caught_up, not_caught_up):
     assert not_caught_up["off_on"]["caught_up_rows"] == 0
     with_, without = caught_up["off_on"]["acceptance"], not_caught_up["off_on"]["acceptance"]
     print(f"\nacceptance after the switch: caught up {with_:.3f}, not caught up {without:.3f}")
-    assert without < 0.92 * with_, (with_, without)
+    control, reference = not_caught_up["off_on"], not_caught_up["all_along"]
+    assert not _drafts_as_if_drafting_all_along(control, reference), (control["acceptance_by_step"],
+                                                                     reference["acceptance_by_step"])
 
 
 if __name__ == "__main__":
