@@ -1,6 +1,9 @@
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,14 +14,90 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VERL_PLATFORM", "cpu")
 
 
+ASSET_FIXTURES = ("assets", "warm_drafter")
+# The asset build in the background: the SFT model on one thread (two OpenMP threads beside the
+# tests' own processes crawl, see SFTConfig.threads) and a cap no tighter than the tests' patience
+# (the cap is not part of the model's identity), then the warm drafter on one thread.
+BUILD_ASSETS = """
+import signal, sys
+from dataclasses import replace
+from pathlib import Path
+import torch
+# Stopped early (the session ended first), the build's finally clauses remove its half-built folder.
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+from tlt_verl.task.prepare import PrepareSettings, prepare
+from tlt_verl.task.warm_drafter import prepare_warm_drafter
+torch.set_num_threads(1)
+root, base = Path(sys.argv[1]), PrepareSettings()
+prepare(root, settings=replace(base, sft=replace(base.sft, threads=1, budget_s=3600.0)))
+prepare_warm_drafter(root)
+"""
+_builder: dict = {}
+
+
+def _assets_root() -> Path:
+    from tlt_verl.launch.runner import DEFAULT_HOME
+
+    return Path(os.environ.get("TLT_TEST_ASSETS", DEFAULT_HOME / "assets"))
+
+
+def _start_asset_build(config) -> None:
+    """On a clean clone, build the assets in a child at the lowest priority while the tests that
+    need none run first (see pytest_collection_modifyitems): those leave a core idle much of the
+    time (process start-ups, Ray and engine hand-offs), and the SFT model and warm drafter are
+    about 9 minutes of CPU here. A test that needs them waits on prepare's lock, which the child
+    holds while it builds; if the child fails, that test's own prepare builds them."""
+    from tlt_verl.task.prepare import stale_stages
+    from tlt_verl.task.warm_drafter import is_current
+
+    root = _assets_root()
+    if not stale_stages(root) and is_current(root):
+        return
+    log_path = Path(tempfile.mkstemp(prefix="tlt-asset-build-", suffix=".log")[1])
+    with open(log_path, "w") as log:
+        _builder["proc"] = subprocess.Popen([sys.executable, "-c", BUILD_ASSETS, str(root)], stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=lambda: os.nice(19))
+    _builder["log"] = log_path
+
+
+def _needs_assets(item) -> bool:
+    return bool(set(ASSET_FIXTURES) & set(getattr(item, "fixturenames", ())))
+
+
+def pytest_collection_finish(session):
+    needs = [_needs_assets(item) for item in session.items]
+    # Only where tests that need no assets can run meanwhile: alone, a niced one-thread build is slower.
+    if not session.config.option.collectonly and any(needs) and not all(needs):
+        _start_asset_build(session.config)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    proc = _builder.pop("proc", None)
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        # Only the builder this session started, and what it started (its own process group).
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     """The task's tokenizer, data and SFT model, from the project's cache (built once if missing)."""
-    from tlt_verl.launch.runner import DEFAULT_HOME
     from tlt_verl.task.prepare import prepare
 
-    root = Path(os.environ.get("TLT_TEST_ASSETS", DEFAULT_HOME / "assets"))
-    return prepare(root)
+    proc = _builder.get("proc")
+    if proc is not None and proc.poll() not in (None, 0):
+        tail = _builder["log"].read_text(errors="replace")[-2000:]
+        warnings.warn(f"the background asset build failed (exit {proc.returncode}); building here. Its log ends:\n{tail}")
+    return prepare(_assets_root())
 
 
 @pytest.fixture(scope="session")
@@ -35,11 +114,14 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    # Modules that need the task's assets last: on a clean clone they are built meanwhile.
+    groups = sorted(modules.values(), key=lambda group: any(_needs_assets(item) for item in group))
     if config.getoption("--reverse-modules"):
-        modules: dict = {}
-        for item in items:
-            modules.setdefault(item.path, []).append(item)
-        items[:] = [item for group in reversed(list(modules.values())) for item in group]
+        groups.reverse()
+    items[:] = [item for group in groups for item in group]
 
 
 def run_main_ppo(args, cwd, env_extra=None, timeout=900):

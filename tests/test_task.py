@@ -503,10 +503,21 @@ def test_warm_drafter_is_built_once_per_sft_model(tmp_path):
     (model / prepare_mod.STAMP_NAME).write_text(json.dumps(stamp))
     settings = warm_drafter.settings_for(stamp)
     drafter.mkdir()
-    (drafter / prepare_mod.STAMP_NAME).write_text(json.dumps({"hash": prepare_mod._hash(settings), "elapsed_s": 180.0}))
+    full = warm_drafter.SETTINGS["max_steps"]
+    (drafter / prepare_mod.STAMP_NAME).write_text(json.dumps({"hash": prepare_mod._hash(settings), "elapsed_s": 180.0,
+                                                              "info": {"steps": full}}))
     said = []
+    assert warm_drafter.is_current(tmp_path)
     assert warm_drafter.prepare_warm_drafter(tmp_path, log=said.append) == drafter
     assert "up to date" in said[0]
+    # One its time cap stopped short of its steps is built again (and fails here, on the stand-in).
+    (drafter / prepare_mod.STAMP_NAME).write_text(json.dumps({"hash": prepare_mod._hash(settings), "elapsed_s": 600.0,
+                                                              "info": {"steps": full - 1}}))
+    assert not warm_drafter.is_current(tmp_path)
+    said.clear()
+    with pytest.raises(Exception):
+        warm_drafter.prepare_warm_drafter(tmp_path, log=said.append)
+    assert "building" in said[-1]
     # A new SFT model makes it stale, and so does the same settings' model trained again (another
     # build: other weights): the build starts (and fails here on the stand-in model, leaving the
     # cached folder as it was: the build is atomic).
@@ -516,3 +527,14 @@ def test_warm_drafter_is_built_once_per_sft_model(tmp_path):
         with pytest.raises(Exception):
             warm_drafter.prepare_warm_drafter(tmp_path, log=said.append)
         assert "building" in said[-1] and (drafter / prepare_mod.STAMP_NAME).is_file()
+
+
+def test_sft_threads_and_cap_are_not_part_of_the_models_cache_key():
+    """The test session builds the assets in the background on one thread with a looser cap
+    (tests/conftest.py); what it builds must be what `./tlt run` finds up to date."""
+    from dataclasses import replace
+
+    base = prepare_mod.PrepareSettings()
+    key = lambda s: prepare_mod._hash(prepare_mod._stage_settings(s)["model"])  # noqa: E731
+    assert key(replace(base, sft=replace(base.sft, threads=1, budget_s=3600.0))) == key(base)
+    assert key(replace(base, sft=replace(base.sft, max_steps=base.sft.max_steps - 1))) != key(base)

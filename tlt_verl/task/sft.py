@@ -32,7 +32,9 @@ IGNORE_INDEX = -100
 @dataclass(frozen=True)
 class SFTConfig:
     max_steps: int = 4000
-    # A cap, not a target: a run that hits it logs a warning.
+    # A cap, not a target: a run that hits it logs a warning, and prepare builds it again next time
+    # (its stamp records fewer updates than max_steps). Not part of the model's identity: a run that
+    # is not stopped by it trains the same weights under any cap.
     budget_s: float = 900.0
     # Tuned on this task: at 3e-3 the loss stalled on a plateau and operands were never copied
     # from the prompt; 1e-3 also ended clearly worse than 7e-4.
@@ -75,8 +77,8 @@ class SFTConfig:
 
     def identity(self) -> dict:
         """The settings that decide the trained weights (prepare's cache key): not the thread
-        count, the device or how often progress is shown."""
-        reporting = ("threads", "device", "log_every_s", "eval_every", "eval_examples")
+        count, the device, the wall-clock cap or how often progress is shown."""
+        reporting = ("threads", "device", "log_every_s", "eval_every", "eval_examples", "budget_s")
         return {k: v for k, v in asdict(self).items() if k not in reporting}
 
 

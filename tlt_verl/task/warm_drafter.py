@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from tlt_verl.task.prepare import _hash, _read_stamp, build_stage
+from tlt_verl.task.prepare import _current, _hash, _read_stamp, build_stage
 
 DIRNAME = "warm_drafter"
 # Generation through vLLM (about 20 s here, where HF generate would take several minutes), then a
@@ -40,6 +40,18 @@ def settings_for(model_stamp: dict) -> dict:
     return {**SETTINGS, "target": _hash(model_stamp)}
 
 
+def _complete(info: dict) -> bool:
+    # A drafter the time cap stopped early is weaker: it serves the run that built it, the next
+    # preparer trains it again (as prepare does for a capped SFT model).
+    return info.get("steps", 0) >= SETTINGS["max_steps"]
+
+
+def is_current(root: Path) -> bool:
+    """Whether ``root`` (the assets folder) holds an up-to-date warm drafter for its SFT model."""
+    model_stamp = _read_stamp(Path(root) / "sft_model")
+    return model_stamp is not None and _current(_read_stamp(Path(root) / DIRNAME), settings_for(model_stamp), _complete)
+
+
 def prepare_warm_drafter(root: Path, log=print) -> Path:
     """The exported drafter folder under ``root`` (the assets folder), built if missing or stale."""
     from tlt_verl.drafter.warmup import WarmupConfig, default_trainer, run_warmup
@@ -58,7 +70,7 @@ def prepare_warm_drafter(root: Path, log=print) -> Path:
         report = run_warmup(WarmupConfig(target=str(model), out=str(tmp), trainer=trainer, **warmup), log=log)
         return report.get("training", {})
 
-    status, stamp = build_stage(target, settings, build)
+    status, stamp = build_stage(target, settings, build, _complete)
     if status == "cached":
         log(f"prepare: warm drafter: up to date ({target}), built in {stamp['elapsed_s']}s earlier")
     else:
