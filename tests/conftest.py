@@ -45,8 +45,9 @@ def _start_asset_build(config) -> None:
     """On a clean clone, build the assets in a child at the lowest priority while the tests that
     need none run first (see pytest_collection_modifyitems): those leave a core idle much of the
     time (process start-ups, Ray and engine hand-offs), and the SFT model and warm drafter are
-    about 9 minutes of CPU here. A test that needs them waits on prepare's lock, which the child
-    holds while it builds; if the child fails, that test's own prepare builds them."""
+    about 9 minutes of CPU here (measured in CI: 32 min with the build beside the tests, 40 min
+    with it in line). A test that needs them waits on prepare's lock, which the child holds while
+    it builds; if the child fails, that test's own prepare builds them."""
     from tlt_verl.task.prepare import stale_stages
     from tlt_verl.task.warm_drafter import is_current
 
@@ -57,16 +58,27 @@ def _start_asset_build(config) -> None:
     with open(log_path, "w") as log:
         _builder["proc"] = subprocess.Popen([sys.executable, "-c", BUILD_ASSETS, str(root)], stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True,
-                                            preexec_fn=lambda: os.nice(19))
+                                            preexec_fn=_lowest_priority)
     _builder["log"] = log_path
 
 
-def _needs_assets(item) -> bool:
-    return bool(set(ASSET_FIXTURES) & set(getattr(item, "fixturenames", ())))
+def _asset_need(item) -> int:
+    """0: no assets; 1: the SFT model (built first); 2: the warm drafter too (built from it)."""
+    names = set(getattr(item, "fixturenames", ()))
+    return 2 if "warm_drafter" in names else 1 if "assets" in names else 0
+
+
+def _lowest_priority() -> None:
+    # SCHED_IDLE: CPU time only when nothing else wants it. A nice-19 build still took enough from
+    # the tests' own processes (verl's and Ray's run niced) to slow some modules by half.
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
 
 
 def pytest_collection_finish(session):
-    needs = [_needs_assets(item) for item in session.items]
+    needs = [_asset_need(item) > 0 for item in session.items]
     # Only where tests that need no assets can run meanwhile: alone, a niced one-thread build is slower.
     if not session.config.option.collectonly and any(needs) and not all(needs):
         _start_asset_build(session.config)
@@ -117,8 +129,9 @@ def pytest_collection_modifyitems(config, items):
     modules: dict = {}
     for item in items:
         modules.setdefault(item.path, []).append(item)
-    # Modules that need the task's assets last: on a clean clone they are built meanwhile.
-    groups = sorted(modules.values(), key=lambda group: any(_needs_assets(item) for item in group))
+    # Modules that need the task's assets last, those that need the warm drafter after those that need
+    # only the SFT model: on a clean clone each is built while the modules before it run.
+    groups = sorted(modules.values(), key=lambda group: max(_asset_need(item) for item in group))
     if config.getoption("--reverse-modules"):
         groups.reverse()
     items[:] = [item for group in groups for item in group]
