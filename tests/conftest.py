@@ -41,7 +41,7 @@ def _assets_root() -> Path:
     return Path(os.environ.get("TLT_TEST_ASSETS", DEFAULT_HOME / "assets"))
 
 
-def _start_asset_build(config) -> None:
+def _start_asset_build() -> None:
     """On a clean clone, build the assets in a child at the lowest priority while the tests that
     need none run first (see pytest_collection_modifyitems): those leave a core idle much of the
     time (process start-ups, Ray and engine hand-offs), and the SFT model and warm drafter are
@@ -79,14 +79,20 @@ def _lowest_priority() -> None:
 
 def pytest_collection_finish(session):
     needs = [_asset_need(item) > 0 for item in session.items]
-    # Only where tests that need no assets can run meanwhile: alone, a niced one-thread build is slower.
+    # Only where tests that need no assets can run meanwhile: alone, a one-thread build at idle
+    # priority is slower than the fixtures' own.
     if not session.config.option.collectonly and any(needs) and not all(needs):
-        _start_asset_build(session.config)
+        _start_asset_build()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    proc = _builder.pop("proc", None)
-    if proc is not None and proc.poll() is None:
+    proc, log = _builder.pop("proc", None), _builder.pop("log", None)
+    if proc is None:
+        return
+    if proc.poll() not in (None, 0):
+        print(f"\nthe background asset build failed (exit {proc.returncode}): {log}")
+        return
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(timeout=20)
@@ -98,6 +104,7 @@ def pytest_sessionfinish(session, exitstatus):
         except ProcessLookupError:
             pass
         proc.wait()
+    log.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
