@@ -14,7 +14,6 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VERL_PLATFORM", "cpu")
 
 
-ASSET_FIXTURES = ("assets", "warm_drafter")
 # The asset build in the background: the SFT model on one thread (two OpenMP threads beside the
 # tests' own processes crawl, see SFTConfig.threads) and a cap no tighter than the tests' patience
 # (the cap is not part of the model's identity), then the warm drafter on one thread.
@@ -45,8 +44,8 @@ def _start_asset_build() -> None:
     """On a clean clone, build the assets in a child at the lowest priority while the tests that
     need none run first (see pytest_collection_modifyitems): those leave a core idle much of the
     time (process start-ups, Ray and engine hand-offs), and the SFT model and warm drafter are
-    about 9 minutes of CPU here (measured in CI: 32 min with the build beside the tests, 40 min
-    with it in line). A test that needs them waits on prepare's lock, which the child holds while
+    about 9 minutes of CPU here (the suite from a clean clone: 30 min with the build beside the
+    tests, 40 min with it in line, on a box whose speed drifted in between). A test that needs them waits on prepare's lock, which the child holds while
     it builds; if the child fails, that test's own prepare builds them."""
     from tlt_verl.task.prepare import stale_stages
     from tlt_verl.task.warm_drafter import is_current
@@ -54,7 +53,9 @@ def _start_asset_build() -> None:
     root = _assets_root()
     if not stale_stages(root) and is_current(root):
         return
-    log_path = Path(tempfile.mkstemp(prefix="tlt-asset-build-", suffix=".log")[1])
+    fd, name = tempfile.mkstemp(prefix="tlt-asset-build-", suffix=".log")
+    os.close(fd)
+    log_path = Path(name)
     with open(log_path, "w") as log:
         _builder["proc"] = subprocess.Popen([sys.executable, "-c", BUILD_ASSETS, str(root)], stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True,
