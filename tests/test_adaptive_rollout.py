@@ -66,6 +66,23 @@ def test_bandit_converges_to_best_arm_per_bucket():
     assert bandit.bucket_of(1000) == 4
 
 
+def test_bandit_starts_on_the_largest_arm_and_still_finds_a_cheaper_best():
+    """The default start plays the largest k first, alone, where "each" spends a pull on every
+    arm; exploration still reaches the other arms, so a bucket where SD does not pay learns k=0."""
+    arms = BanditConfig().arms
+    largest, each = BucketedEpsilonGreedy(BanditConfig(seed=0)), BucketedEpsilonGreedy(BanditConfig(seed=0, start="each"))
+    pays = {k: 1.0 + 0.2 * k for k in arms}  # SD pays: the largest k is the best arm
+    first = _play(largest, pays, len(arms), noise=0.05)
+    assert first[0] == max(arms) and first.count(max(arms)) >= len(arms) - 1, first
+    assert _play(each, pays, len(arms), noise=0.05) == list(arms)
+    # SD loses: k=0 is best by 40%. It is found, and played most of the time once found.
+    loses = {k: 1.0 - 0.1 * k for k in arms}
+    bandit = BucketedEpsilonGreedy(BanditConfig(seed=1))
+    picks = _play(bandit, loses, 150, noise=0.05, seed=1)
+    assert picks[0] == max(arms) and bandit.best(0) == 0
+    assert picks[-50:].count(0) >= 40, picks[-50:]
+
+
 def test_bandit_state_restore_continues_identically():
     rewards = {0: 1.0, 1: 1.2, 2: 1.25, 3: 0.9}
     ref = BucketedEpsilonGreedy(BanditConfig(seed=3))
@@ -90,9 +107,12 @@ def test_bandit_config_errors_name_the_option():
         with pytest.raises(ValueError) as e:
             BanditConfig(**kwargs)
         assert str(e.value).startswith(option) and "\n" not in str(e.value)
-    # The default is a bandit in every bucket: each bucket plays every arm (at least two) on its
-    # own, not one arm per bucket, nor arms shared with the other buckets' counts.
-    default = BucketedEpsilonGreedy(BanditConfig())
+    with pytest.raises(ValueError) as e:
+        BanditConfig(start="first")
+    assert str(e.value) == "bandit.start='first': one of ['each', 'largest']"
+    # A bandit in every bucket: each bucket plays every arm (at least two) on its own, not one
+    # arm per bucket, nor arms shared with the other buckets' counts.
+    default = BucketedEpsilonGreedy(BanditConfig(start="each"))
     for bucket in range(default.config.num_buckets):
         played = []
         for _ in default.config.arms:
@@ -116,7 +136,7 @@ def test_policy_schedule_shape():
     sched = policy.schedule()
     assert [(s, e) for s, e, _ in sched] == [(1, 1), (2, 3), (4, 7), (8, 16), (17, 64)]
     assert sched[-1][2] == 0  # SD off above the threshold
-    assert all(k == cfg.bandit.arms[0] for _, _, k in sched[:-1])  # untried arms first, in order
+    assert all(k == max(cfg.bandit.arms) for _, _, k in sched[:-1])  # every bucket starts on its largest k
     lookup = build_dynamic_sd_schedule_lookup([list(x) for x in sched], 64, 3)  # vLLM accepts it
     assert lookup[16] == sched[3][2] and lookup[17] == 0 and len(lookup) == 65
     # Threshold at max_batch: no SD-off range.
@@ -130,7 +150,8 @@ def _step(batch, k, emitted, step_s, **kw):
 
 
 def test_policy_learns_from_steps_and_skips_unsteady_ones():
-    cfg = SDPolicyConfig(threshold=8, steps_per_pull=4, bandit=BanditConfig(bucket_edges=(1, 4), arms=(0, 2), seed=1))
+    cfg = SDPolicyConfig(threshold=8, steps_per_pull=4,
+                         bandit=BanditConfig(bucket_edges=(1, 4), arms=(0, 2), seed=1, start="each"))
     policy = AdaptiveSDPolicy(cfg, max_k=2, max_batch=16)
     assert policy.arm(0) == 0
     # Prefill, transition (drafts of another length) and above-threshold steps are not rewards.
@@ -154,7 +175,8 @@ def test_reward_does_not_favour_the_arm_that_met_the_larger_batch():
     """The tail drains during a pull: the arm tried first in a bucket sees the larger batches. With
     step costs of this machine's plain decoding (8 ms + 0.25 ms a request), k=2 emitting 2.2 tokens
     a request in 1.8x a plain step is the better arm however the batch falls."""
-    cfg = SDPolicyConfig(threshold=64, steps_per_pull=4, bandit=BanditConfig(bucket_edges=(1, 16), arms=(0, 2), seed=0))
+    cfg = SDPolicyConfig(threshold=64, steps_per_pull=4,
+                         bandit=BanditConfig(bucket_edges=(1, 16), arms=(0, 2), seed=0, start="each"))
     policy = AdaptiveSDPolicy(cfg, max_k=2, max_batch=64)
     plain = lambda b: 0.008 + 0.00025 * b
     assert policy.arm(1) == 0
@@ -399,7 +421,8 @@ def test_schedule_change_changes_k_used(scenario):
     # Records add up to what was generated, and feed the policy.
     assert sum(s["emitted"] for s in res["steps"]["k3"]) == sum(MAX_TOKENS)
     assert all(s["step_s"] > 0 for s in res["steps"]["k3"])
-    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold=8, steps_per_pull=2, bandit=BanditConfig(bucket_edges=(1, 2, 4))),
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold=8, steps_per_pull=2,
+                                             bandit=BanditConfig(bucket_edges=(1, 2, 4), start="each")),  # k=0 first
                               max_k=K, max_batch=MAX_SEQS)
     policy.observe(res["steps"]["k0"])
     assert policy.bandit.estimates(0)[0][0] + policy.bandit.estimates(1)[0][0] > 0

@@ -21,6 +21,18 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 
+def _start_largest(arms: tuple[int, ...], counts: list[int]) -> Optional[int]:
+    return max(arms) if not any(counts) else None
+
+
+def _start_each(arms: tuple[int, ...], counts: list[int]) -> Optional[int]:
+    return arms[counts.index(0)] if 0 in counts else None
+
+
+# bandit.start -> the arm a bucket must play before epsilon-greedy takes over (None: none left).
+STARTS = {"largest": _start_largest, "each": _start_each}
+
+
 @dataclass(frozen=True)
 class BanditConfig:
     # Bucket i covers batch sizes [bucket_edges[i], bucket_edges[i+1] - 1]; the last is open.
@@ -36,6 +48,12 @@ class BanditConfig:
     # weight, for when the drafter is retrained during the run and old rewards go stale.
     step_size: Optional[float] = None
     seed: int = 0
+    # How a bucket with no estimate yet starts: "largest", on the largest k, meeting the other arms
+    # through exploration; "each", every arm once in the order listed before any greedy choice.
+    # Trying each arm first made the first pulls of every bucket the cheap-k arms, in the first
+    # round of the long-tail bench at batch 64 where most tokens are decoded (k=0, 1, 2 for 24
+    # steps each bucket); below the threshold SD is expected to pay, so the largest k is the prior.
+    start: str = "largest"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_edges", tuple(int(e) for e in self.bucket_edges))
@@ -56,6 +74,8 @@ class BanditConfig:
             raise ValueError(f"bandit.min_epsilon={self.min_epsilon}: must be in [0, epsilon={self.epsilon}]")
         if self.step_size is not None and not 0.0 < self.step_size <= 1.0:
             raise ValueError(f"bandit.step_size={self.step_size}: must be None or in (0, 1]")
+        if self.start not in STARTS:
+            raise ValueError(f"bandit.start={self.start!r}: one of {sorted(STARTS)}")
 
     @property
     def num_buckets(self) -> int:
@@ -89,19 +109,19 @@ class BucketedEpsilonGreedy:
         return max(c.min_epsilon, c.epsilon * c.epsilon_decay ** self._pulls[bucket])
 
     def select(self, bucket: int) -> int:
-        """The arm (k) to play next in `bucket`: each untried arm once, then epsilon-greedy."""
+        """The arm (k) to play next in `bucket`: the start's arm(s) (`bandit.start`), then epsilon-greedy."""
         counts = self._counts[bucket]
         eps = self.epsilon(bucket)
         self._pulls[bucket] += 1
-        if 0 in counts:
-            # Untried arms in config order: no estimate to be greedy about yet.
-            return self.config.arms[counts.index(0)]
+        first = STARTS[self.config.start](self.config.arms, counts)
+        if first is not None:
+            return first
         # Draw even when exploiting, so the random stream does not depend on the rewards' ties.
         explore, pick = self._rng.random() < eps, self._rng.randrange(len(counts))
         return self.config.arms[pick] if explore else self.best(bucket)
 
     def best(self, bucket: int) -> int:
-        """The greedy arm; ties go to the arm listed first (cheaper k first in the default)."""
+        """The greedy arm among those tried; ties go to the arm listed first (cheaper k first in the default)."""
         values = self._values[bucket]
         tried = [i for i, n in enumerate(self._counts[bucket]) if n > 0]
         if not tried:

@@ -21,16 +21,18 @@ from typing import Any, Iterable, Mapping
 
 from tlt_verl.rollout.policy.bandit import BanditConfig, BucketedEpsilonGreedy
 
-# Running batch above which SD is off, measured with the default warm drafter (EAGLE-3, parallel
-# drafting: all k drafts from one forward) on task prompts, bench/sd_threshold.py three times on
-# this 2-core box (bench/results/sd_threshold_parallel.json, _r1, _r2; key `measured`): thresholds
-# 32, 0 (a noisy run) and 32; the best k decodes 1.12-1.5x plain at batch 1-8 in two runs of three
-# and 0.95-1.15x at 64. In a whole long-tail rollout (bench/results/longtail_rollout.json) fixed
-# k=3 beat plain at every batch size, 1.59x at 64. With the EAGLE-1 drafter, whose k drafts were k
-# forwards, the same bench gave 8, 4 and 2 (sd_threshold.json, _r1, _r2), hence the earlier 8.
-# Within the threshold the bandit's arms decide, k=0 (free, see catch_up.py) among them. GPU
-# recipes set their own (the reference system: 32).
-DEFAULT_THRESHOLD = 32
+# Running batch above which SD is off. Measured on the workload it serves, the long-tail rollout of
+# the default target and warm drafter (EAGLE-3, parallel drafting: all k drafts from one forward),
+# bench/longtail_rollout.py, 64 prompts: fixed k=3 decoded faster than plain between 33 and 64
+# running requests (64: the CPU recipe's max_num_seqs) in all five runs, 1.21-1.53x
+# (bench/results/longtail_rollout*.json); with the threshold at 32 the adaptive policy decoded
+# that bin plainly and came to 0.89-0.95x fixed k=3, at 64 to 0.96-1.00x. The short-context bench
+# (bench/sd_threshold.py: 48 tokens after a task prompt, sd_threshold_parallel*.json) put it at
+# 32 in two runs of three: it misses that the tail's long contexts make the target's step dearer
+# and drafting relatively cheaper. With the EAGLE-1 drafter, whose k drafts were k forwards, it
+# was 8. Within the threshold the bandit's arms decide, k=0 (free, see catch_up.py) among them.
+# GPU recipes set their own (the reference system: 32).
+DEFAULT_THRESHOLD = 64
 
 
 @dataclass(frozen=True)
