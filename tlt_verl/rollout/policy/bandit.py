@@ -50,9 +50,9 @@ class BanditConfig:
     seed: int = 0
     # How a bucket with no estimate yet starts: "largest", on the largest k, meeting the other arms
     # through exploration; "each", every arm once in the order listed before any greedy choice.
-    # Trying each arm first made the first pulls of every bucket the cheap-k arms, in the first
-    # round of the long-tail bench at batch 64 where most tokens are decoded (k=0, 1, 2 for 24
-    # steps each bucket); below the threshold SD is expected to pay, so the largest k is the prior.
+    # Trying each arm first spends every bucket's first pulls on the cheap-k arms (k=0, 1 and 2, a
+    # pull of steps_per_pull steps each), in the first RL step, where the batch is largest and most
+    # tokens are decoded; below the threshold SD is expected to pay, so the largest k is the prior.
     start: str = "largest"
 
     def __post_init__(self) -> None:

@@ -24,14 +24,14 @@ from tlt_verl.rollout.policy.bandit import BanditConfig, BucketedEpsilonGreedy
 # Running batch above which SD is off. Measured on the workload it serves, the long-tail rollout of
 # the default target and warm drafter (EAGLE-3, parallel drafting: all k drafts from one forward),
 # bench/longtail_rollout.py, 64 prompts: fixed k=3 decoded faster than plain between 33 and 64
-# running requests (64: the CPU recipe's max_num_seqs) in all five runs, 1.21-1.53x
-# (bench/results/longtail_rollout*.json); with the threshold at 32 the adaptive policy decoded
-# that bin plainly and came to 0.89-0.95x fixed k=3, at 64 to 0.96-1.00x. The short-context bench
-# (bench/sd_threshold.py: 48 tokens after a task prompt, sd_threshold_parallel*.json) put it at
-# 32 in two runs of three: it misses that the tail's long contexts make the target's step dearer
-# and drafting relatively cheaper. With the EAGLE-1 drafter, whose k drafts were k forwards, it
-# was 8. Within the threshold the bandit's arms decide, k=0 (free, see catch_up.py) among them.
-# GPU recipes set their own (the reference system: 32).
+# running requests (64: the CPU recipe's max_num_seqs) in all seven runs made, 1.21-1.53x. With
+# the threshold at 32 the adaptive policy decoded that bin plainly and came to 0.95x and 0.89x
+# fixed k=3 (two runs, in git history before this value); at 64, 0.94-1.00x in five
+# (bench/results/longtail_rollout.json, _r1, _t64_each_*). The short-context bench
+# (bench/sd_threshold.py, sd_threshold_parallel*.json) put it at 32 in two runs of three, from 48
+# tokens after a task prompt, where the tail decodes near 1,000 tokens of context. With the EAGLE-1
+# drafter, whose k drafts were k forwards, it was 8. Within the threshold the bandit's arms
+# decide, k=0 (free, see catch_up.py) among them. GPU recipes set their own (the reference: 32).
 DEFAULT_THRESHOLD = 64
 
 
