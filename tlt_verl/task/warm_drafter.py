@@ -14,6 +14,7 @@ by the rollout engine and `./tlt serve` (tlt_verl.rollout.config.drafter_specula
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,9 +89,14 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         # Progress on stderr; stdout carries the folder, for the runner that started this.
-        print(prepare_warm_drafter(args.root, log=lambda m: print(m, file=sys.stderr, flush=True)))
+        print(prepare_warm_drafter(args.root, log=lambda m: print(m, file=sys.stderr, flush=True)), flush=True)
     except ValueError as e:
         parser.exit(1, f"warm_drafter: {e}\n")
+    # The drafter is in place (renamed atomically) and stdout flushed. Interpreter teardown would
+    # only add nanobind's report of Triton's bindings (imported with vLLM's engine), some 27 lines
+    # on the console of every first `./tlt run`.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
