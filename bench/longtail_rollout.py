@@ -287,12 +287,11 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(REPO / "bench/results/longtail_rollout.json"))
     ap.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.threshold is None:
-        from tlt_verl.rollout.policy.sd_policy import DEFAULT_THRESHOLD
-        args.threshold = DEFAULT_THRESHOLD
-    if args.arms is None:
-        from tlt_verl.rollout.policy.bandit import BanditConfig
-        args.arms = list(BanditConfig().arms)
+    from tlt_verl.rollout.policy import SDPolicyConfig
+
+    defaults = SDPolicyConfig()  # the policy as the rollout server runs it unless told otherwise
+    args.threshold = defaults.threshold if args.threshold is None else args.threshold
+    args.arms = list(defaults.bandit.arms) if args.arms is None else args.arms
     if args.phase_out:  # the child: the parent passes the target it resolved as --target
         Path(args.phase_out).write_text(json.dumps(asyncio.run(run_engines(args))))
         return
