@@ -148,6 +148,7 @@ class VllmServer:
         **kwargs,
     ) -> TokenOutput:
         from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         await self._paused.wait()
         self.check_awake("generate", SLEEP_TAGS)
@@ -163,6 +164,10 @@ class VllmServer:
         params.setdefault("repetition_penalty", 1.0)
         # Token ids in, token ids out: verl never reads the text, so the engine need not make it.
         params.setdefault("detokenize", False)
+        # Only the finished request is returned: vLLM's default (cumulative) builds an output with
+        # every token and log-prob so far at each engine step, work that competes with the engines
+        # for the cores while all replicas decode.
+        params.setdefault("output_kind", RequestOutputKind.FINAL_ONLY)
         sp = SamplingParams(max_tokens=max_tokens, **params)
 
         start = time.time()
