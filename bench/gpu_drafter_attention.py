@@ -11,18 +11,19 @@ import time
 
 import torch
 
-from tlt_verl.drafter.layers import MASK_CHUNK, masked_attention
+from tlt_verl.drafter.layers import masked_attention
 
 PATHS = {"dense": True, "chunked": False}
 
 
 def packed_row():
-    """A row of five samples of uneven lengths: each position sees its own sample's past."""
-    S = 3 * MASK_CHUNK + 37
+    """A row of five samples of uneven lengths: S, the slots' sample ids [1, S] and the mask
+    [1, S, S] by which each position sees its own sample's past."""
+    S = 3 * 256 + 37
     lengths = (90, 400, 5, 200, S - 695)
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.arange(S)
-    return S, ((seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :]))[None]
+    return S, seq[None], ((seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :]))[None]
 
 
 def run(inputs, mask, weights, device, dtype, dense):
@@ -35,7 +36,7 @@ def run(inputs, mask, weights, device, dtype, dense):
 
 def main() -> None:
     torch.manual_seed(0)
-    S, mask = packed_row()
+    S, _, mask = packed_row()
     inputs = [torch.randn(1, heads, S, 64) for heads in (8, 2, 2)]   # grouped-query: 8 query heads, 2 kv
     weights = torch.linspace(-1, 1, S)[:, None]
     ref = run(inputs, mask, weights, "cpu", torch.float32, dense=False)

@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from tlt_verl.drafter import DrafterConfig, LossConfig, build_drafter, default_aux_layer_ids, target_tensors
 from tlt_verl.drafter.export import export_drafter, load_drafter
 from tlt_verl.drafter.loss import drafter_loss
-from tlt_verl.drafter.packing import PackedBatch, align_sample, pack, shift_within_samples
+from tlt_verl.drafter.packing import BlockCausal, PackedBatch, align_sample, pack, shift_within_samples
 
 torch.set_num_threads(1)
 VOCAB = 320
@@ -126,13 +126,17 @@ def test_pack_positions_restart_and_mask_is_block_diagonal():
     b = pack(s, 6)
     assert b.seq_ids.tolist() == [[1, 1, 1, 1, 1, -1], [0, 0, 0, 2, 2, -1]]
     assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 0], [0, 1, 2, 0, 1, 0]]
-    m = b.attention_mask()[1]
+    m = b.block_causal().dense()[1]
     assert m[4].tolist() == [False, False, False, True, True, False]   # sample 2 sees only itself
     assert m[2].tolist() == [True, True, True, False, False, False]
     bounds, max_len = b.cu_seqlens()
     assert bounds.tolist() == [0, 5, 6, 9, 11, 12] and max_len == 5
     with pytest.raises(ValueError, match="sample 1 has 5 positions, more than row_len=4"):
         pack(s, 4)
+    # trim: the rows end where the fullest one does.
+    b = pack(s, 9, trim=True)
+    assert b.seq_ids.tolist() == [[1, 1, 1, 1, 1, 0, 0, 0], [2, 2, -1, -1, -1, -1, -1, -1]]
+    assert pack(s, 9).seq_ids.shape == (2, 9)
 
 
 def test_flash_varlen_path_is_guarded_off_cuda(target):
@@ -313,25 +317,36 @@ def test_attention_matches_hf_llama_attention():
 
 
 def test_masked_attention_is_the_same_dense_or_in_chunks():
-    """A packed row's mask (samples of uneven lengths, grouped-query heads): one dense call (CUDA's
-    path, its kv heads expanded for the memory-efficient kernel) and per-chunk key selection (the
-    CPU's) give the same output and gradients."""
+    """A packed row (samples of uneven lengths, grouped-query heads), its mask given whole or as
+    the packed rows' BlockCausal, with and without the unroll's diagonal key blocks: one dense
+    call (CUDA's path, its kv heads expanded for the memory-efficient kernel) and per-chunk key
+    selection (the CPU's) give the same output and gradients."""
     from bench.gpu_drafter_attention import packed_row
-    from tlt_verl.drafter.layers import masked_attention
+    from tlt_verl.drafter.layers import MASK_CHUNK, masked_attention
 
     torch.manual_seed(0)
-    S, mask = packed_row()
-    q, k, v = (torch.randn(1, h, S, 16, requires_grad=True) for h in (4, 2, 2))
-    results = []
-    for dense in (True, False):
-        out = masked_attention(q, k, v, mask, dense)
-        grads = torch.autograd.grad((out * torch.linspace(-1, 1, S)[:, None]).sum(), (q, k, v))
-        results.append((out, *grads))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    S, seq_ids, mask = packed_row()
+    assert S > 3 * MASK_CHUNK
+    for diagonal in (0, 2):
+        layout = BlockCausal(seq_ids, diagonal)
+        whole = layout.dense()
+        assert whole.shape == (1, S, (1 + diagonal) * S)
+        if diagonal == 0:
+            assert torch.equal(whole, mask)
+        q, k, v = (torch.randn(1, h, n, 16, requires_grad=True) for h, n in ((4, S), (2, whole.shape[-1]),
+                                                                               (2, whole.shape[-1])))
+        results = []
+        for m, dense in ((whole, True), (whole, False), (layout, False), (layout, True)):
+            out = masked_attention(q, k, v, m, dense)
+            grads = torch.autograd.grad((out * torch.linspace(-1, 1, S)[:, None]).sum(), (q, k, v))
+            results.append((out, *grads))
+        for other in results[1:]:
+            for a, b in zip(results[0], other):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     # The expanded heads are the grouped ones: query heads 0-1 read kv head 0, heads 2-3 kv head 1.
+    q, k, v = (torch.randn(1, h, S, 16) for h in (4, 2, 2))
     one_head = masked_attention(q[:, 2:3], k[:, 1:2], v[:, 1:2], mask, True)
-    torch.testing.assert_close(results[0][0][:, 2:3], one_head, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(masked_attention(q, k, v, mask, True)[:, 2:3], one_head, atol=1e-6, rtol=1e-6)
 
 
 # ---------------------------------------------------------------- checkpoint folders

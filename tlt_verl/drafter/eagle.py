@@ -59,8 +59,8 @@ class EagleDrafter(nn.Module):
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cu_seqlens=None) -> torch.Tensor:
         """input_ids [B, S] (= x_{t+1}), hidden [B, S, H] (= h_t), position_ids [B, S] (= t)
-        -> predicted h_{t+1} [B, S, H]. ``attention_mask`` [B, S, S] boolean or ``None``
-        (causal); ``cu_seqlens`` for flash-attn varlen (see ``packing``)."""
+        -> predicted h_{t+1} [B, S, H]. ``attention_mask`` [B, S, S] boolean, a ``BlockCausal`` or
+        ``None`` (causal); ``cu_seqlens`` for flash-attn varlen (see ``packing``)."""
         x = self.fc(torch.cat([self.target.embed(input_ids), hidden.to(self.fc.weight.dtype)], dim=-1))
         for layer in self.layers:
             x, _ = layer(x, position_ids, attention_mask, cu_seqlens)

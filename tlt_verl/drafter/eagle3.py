@@ -26,7 +26,7 @@ from torch import nn
 
 from .config import DrafterConfig
 from .layers import MLP, Attention, RMSNorm, TargetTensors, check_target_tensors, init_weights
-from .packing import block_causal_mask, shift_within_samples
+from .packing import BlockCausal, shift_within_samples
 
 
 def vocab_maps(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,8 +125,6 @@ class Eagle3Drafter(nn.Module):
         Step j's token at slot t is x_{t+j+1} (ids shifted within the sample), or with parallel
         drafting the mask token; its keys are the block-causal step-0 keys plus the diagonal (same
         slot) keys of steps 1..j, which is what vLLM's attention sees in either mode."""
-        mask0 = block_causal_mask(seq_ids)
-        eye = torch.eye(seq_ids.shape[-1], dtype=torch.bool, device=seq_ids.device).expand_as(mask0)
         g = self.fc(hidden.to(self.fc.weight.dtype))
         parallel = self.cfg.parallel_drafting
         past, outs = [], []
@@ -135,8 +133,7 @@ class Eagle3Drafter(nn.Module):
             if parallel and j > 0:
                 ids_j = torch.full_like(ids_j, self.cfg.mask_token_id)
                 g = self.fc(self.mask_hidden.to(self.fc.weight.dtype)).expand_as(g)
-            mask = torch.cat([mask0] + [eye] * j, dim=-1)
-            out, g, kv = self.step(ids_j, g, position_ids + j, mask, None, past)
+            out, g, kv = self.step(ids_j, g, position_ids + j, BlockCausal(seq_ids, diagonal=j), None, past)
             past.append(kv)
             outs.append((out, valid))
         return outs

@@ -28,7 +28,7 @@ def _masked_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 ATTENTION_INPUTS = {
-    "sdpa": lambda batch: {"attention_mask": batch.attention_mask()},
+    "sdpa": lambda batch: {"attention_mask": batch.block_causal()},
     "flash_varlen": lambda batch: {"cu_seqlens": batch.cu_seqlens()},
 }
 

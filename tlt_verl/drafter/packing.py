@@ -12,7 +12,7 @@ a sample of T tokens gives T-1 training slots.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,16 +46,18 @@ class PackedBatch:
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]
 
-    def attention_mask(self) -> torch.Tensor:
-        return block_causal_mask(self.seq_ids)
+    def block_causal(self) -> "BlockCausal":
+        return BlockCausal(self.seq_ids)
 
     def cu_seqlens(self) -> tuple[torch.Tensor, int]:
         return cu_seqlens_from_seq_ids(self.seq_ids)
 
 
-def pack(samples: Sequence[Mapping[str, torch.Tensor]], row_len: int) -> PackedBatch:
+def pack(samples: Sequence[Mapping[str, torch.Tensor]], row_len: int, trim: bool = False) -> PackedBatch:
     """First-fit-decreasing packing of samples (dicts of equal-length tensors) into rows of
-    ``row_len`` slots; padding is zero and has ``seq_ids == -1``."""
+    ``row_len`` slots; padding is zero and has ``seq_ids == -1``. ``trim``: the rows end where the
+    fullest one does (``row_len`` is then a cap): the trainer's micro-batches fill their row to 85%
+    on average, and every padding slot costs a full forward and backward."""
     if not samples:
         raise ValueError("pack: no samples")
     lengths = [next(iter(s.values())).shape[0] for s in samples]
@@ -75,6 +77,8 @@ def pack(samples: Sequence[Mapping[str, torch.Tensor]], row_len: int) -> PackedB
         rows[r].append(i)
         room[r] -= lengths[i]
 
+    if trim:
+        row_len -= min(room)
     first = samples[0]
     out = {k: t.new_zeros((len(rows), row_len, *t.shape[1:])) for k, t in first.items()}
     position_ids = torch.zeros(len(rows), row_len, dtype=torch.long)
@@ -89,6 +93,45 @@ def pack(samples: Sequence[Mapping[str, torch.Tensor]], row_len: int) -> PackedB
             seq_ids[r, at:at + n] = i
             at += n
     return PackedBatch(out, position_ids, seq_ids)
+
+
+@dataclass(frozen=True)
+class BlockCausal:
+    """The attention pattern of packed rows, kept as the slots' sample ids rather than a mask:
+    each slot sees the slots of its own sample up to itself (padding sees padding), then
+    ``diagonal`` more blocks of S keys in each of which it sees only its own slot (the later steps
+    of EAGLE-3's unroll). ``chunks`` gives each run of queries its keys and its piece of the mask,
+    so on the CPU the [R, S, (1 + diagonal) S] mask is never built nor scanned."""
+    seq_ids: torch.Tensor        # [R, S]
+    diagonal: int = 0
+
+    def dense(self) -> torch.Tensor:
+        """[R, S, (1 + diagonal) S] boolean (True = may attend)."""
+        mask = block_causal_mask(self.seq_ids)
+        eye = torch.eye(self.seq_ids.shape[-1], dtype=torch.bool, device=self.seq_ids.device).expand_as(mask)
+        return torch.cat([mask] + [eye] * self.diagonal, dim=-1)
+
+    def chunks(self, size: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per ``size`` queries from slot c0: (c0, key indices [K], mask [R, n, K]). The keys are the
+        step-0 slots from the start of the sample holding slot c0 (the earliest over the rows) up to
+        the last query, then the queries' own slots in each diagonal block: every key any of them
+        may see, and no more."""
+        seq = self.seq_ids
+        R, S = seq.shape
+        at = torch.arange(S, device=seq.device)
+        new_run = torch.ones_like(seq, dtype=torch.bool)
+        new_run[:, 1:] = seq[:, 1:] != seq[:, :-1]
+        run_start = torch.cummax(torch.where(new_run, at, 0), dim=1).values
+        starts = range(0, S, size)
+        # One host sync for all chunks: where the earliest sample of each chunk starts.
+        firsts = run_start[:, list(starts)].amin(dim=0).tolist()
+        for c0, lo in zip(starts, firsts):
+            c1 = min(c0 + size, S)
+            q_at, k_at = at[c0:c1], at[lo:c1]
+            mask = (seq[:, c0:c1, None] == seq[:, None, lo:c1]) & (q_at[:, None] >= k_at[None, :])
+            eye = torch.eye(c1 - c0, dtype=torch.bool, device=seq.device).expand(R, -1, -1)
+            index = torch.cat([k_at] + [q_at + S * i for i in range(1, self.diagonal + 1)])
+            yield c0, index, torch.cat([mask] + [eye] * self.diagonal, dim=-1)
 
 
 def block_causal_mask(seq_ids: torch.Tensor) -> torch.Tensor:

@@ -188,7 +188,7 @@ class DrafterTrainer:
     def _micro_step(self, samples) -> dict:
         c = self.cfg
         cut = min(c.row_len, c.tokens_per_micro) + 1
-        batch = pack([s.truncated(cut).aligned() for s in samples], c.row_len)
+        batch = pack([s.truncated(cut).aligned() for s in samples], c.row_len, trim=True)
         device = next(self.drafter.parameters()).device
         if device.type != "cpu":
             batch.tensors = {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}
