@@ -426,16 +426,20 @@ def test_warmup_on_the_sft_model_raises_agreement(assets, tmp_path):
     from tlt_verl.drafter.warmup import WarmupConfig, run_warmup
 
     cfg = WarmupConfig(target=str(assets["model"]), out=str(tmp_path / "d"), num_prompts=24, max_new_tokens=160,
-                       budget_s=20, trainer=TrainerConfig(lr=1e-3, warmup_steps=5, total_steps=60,
-                                                          tokens_per_micro=1024, row_len=512))
+                       budget_s=60, max_steps=40, trainer=TrainerConfig(lr=1e-3, warmup_steps=5, total_steps=60,
+                                                                        tokens_per_micro=1024, row_len=512))
     lines = []
     report = run_warmup(cfg, log=lines.append)
     t = report["training"]
-    assert t["steps"] >= 5 and t["last_loss"] < t["first_loss"]
+    assert t["steps"] == 40 and t["last_loss"] < t["first_loss"]
     assert t["top1_agreement_after"] > t["top1_agreement_before"] + 0.1, t
     assert any(line.startswith("warmup: step 1 loss") for line in lines)
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(assets["model"])
     load_drafter(tmp_path / "d", target.config, *target_tensors(target))       # strict: what engines get
-    assert load_latest(tmp_path / "d" / "checkpoints").step == t["steps"]
+    saved = load_latest(tmp_path / "d" / "checkpoints")
+    assert saved.step == t["steps"]
+    # The cosine ran over the 40-step budget, not the trainer's 60: the last step is at the floor.
+    assert saved.state["trainer_config"]["total_steps"] == report["config"]["trainer"]["total_steps"] == 40
+    assert saved.state["schedule"]["lr"] == pytest.approx(1e-3 * TrainerConfig().min_lr_ratio)

@@ -19,7 +19,7 @@ import gc
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -187,7 +187,10 @@ def run_warmup(cfg: WarmupConfig, log: Callable[[str], None] = print) -> dict:
     else:
         torch.manual_seed(0)
         drafter = build_drafter(dcfg, *tensors)
-    report: dict = {"config": {**asdict(cfg), "trainer": cfg.trainer.to_dict()}}
+    # The learning rate's cosine runs over the step budget when there is one: a horizon shorter than
+    # the budget would train the last steps at the floor, a longer one stop before the decay ends.
+    tcfg = cfg.trainer if cfg.max_steps is None else replace(cfg.trainer, total_steps=cfg.max_steps)
+    report: dict = {"config": {**asdict(cfg), "trainer": tcfg.to_dict()}}
 
     t0 = time.perf_counter()
     prompts = task_prompts(tokenizer, cfg.num_prompts, cfg.prompt_seed)
@@ -217,7 +220,7 @@ def run_warmup(cfg: WarmupConfig, log: Callable[[str], None] = print) -> dict:
         f"({buffer.memory_bytes / 2**20:.1f} MiB buffered, {len(eval_samples)} held out)")
 
     before = top1_agreement(drafter, eval_samples) if eval_samples else None
-    trainer = DrafterTrainer(drafter, buffer, cfg.trainer)
+    trainer = DrafterTrainer(drafter, buffer, tcfg)
     deadline = time.monotonic() + cfg.budget_s
 
     def progress(step: int, m: dict) -> None:
