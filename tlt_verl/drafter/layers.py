@@ -101,13 +101,13 @@ def masked_attention(q, k, v, mask: torch.Tensor | BlockCausal, dense: bool) -> 
     return torch.cat(out, dim=2)
 
 
-def attend(q, k, v, mask: torch.Tensor | None = None, cu_seqlens=None) -> torch.Tensor:
+def attend(q, k, v, mask: torch.Tensor | BlockCausal | None = None, cu_seqlens=None) -> torch.Tensor:
     """q [B, h, S, d], k/v [B, kv_h, Skv, d] -> [B, h, S, d].
 
-    ``mask`` [B, S, Skv] boolean (True = attend) or a ``BlockCausal`` over packed rows, or ``None``
-    for plain causal. ``cu_seqlens``
-    (a pair ``(bounds, max_len)`` over the flattened rows) selects flash-attn varlen on CUDA;
-    it expresses only block-diagonal causal attention over the keys of the same step."""
+    ``mask`` [B, S, Skv] boolean (True = attend), the packed rows' ``BlockCausal``, or ``None``
+    for plain causal. ``cu_seqlens`` (a pair ``(bounds, max_len)`` over the flattened rows)
+    selects flash-attn varlen on CUDA; it expresses only block-diagonal causal attention over the
+    keys of the same step."""
     if cu_seqlens is not None:
         if flash_attn_varlen_func is None or not q.is_cuda:
             raise RuntimeError("cu_seqlens given but flash-attn varlen is unavailable (needs CUDA "
