@@ -9,6 +9,8 @@ VAL_SEED + r, like successive RL steps) at the same temperature and seed, on one
 - fixed k: an engine with the drafter whose schedule is k for every batch size;
 - adaptive: the same SD engine under `AdaptiveSDPolicy` (threshold + bandit), its state carried
   from round to round as it is from RL step to RL step; exploration is paid for in the timing.
+  With `--adaptive paired:adjacent pull:uniform`, one adaptive mode per `sd.values:bandit.explore`
+  pair, the first named `adaptive`, the others `adaptive_<values>_<explore>`, each with its own bandit.
 
 The two engines are alive together and the modes take turns within each round, so drift in the
 machine's load falls on all of them alike. Reported per mode: rollout wall clock (sum over
@@ -73,11 +75,15 @@ async def run_engines(args) -> dict:
     plain = start_engine(base)
     sd = start_engine({**base, "speculative_config": spec})
     log(f"engines up in {time.time() - t:.1f}s")
-    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold=args.threshold, steps_per_pull=args.steps_per_pull,
-                                             bandit=BanditConfig(arms=arms, seed=args.seed)),
-                              max_k=max_k, max_batch=args.max_num_seqs)
+    adaptive = {}
+    for i, spec in enumerate(args.adaptive):
+        values, explore = spec.split(":")
+        adaptive["adaptive" if i == 0 else f"adaptive_{values}_{explore}"] = AdaptiveSDPolicy(
+            SDPolicyConfig(threshold=args.threshold, steps_per_pull=args.steps_per_pull, values=values,
+                           bandit=BanditConfig(arms=arms, seed=args.seed, explore=explore)),
+            max_k=max_k, max_batch=args.max_num_seqs)
     fixed = [k for k in arms if k > 0]
-    modes = ["plain"] + [f"fixed_k{k}" for k in fixed] + ["adaptive"]
+    modes = ["plain"] + [f"fixed_k{k}" for k in fixed] + list(adaptive)
     calls = 0
 
     async def rollout(engine, prompts, loop: AdaptiveSDLoop) -> dict:
@@ -105,14 +111,15 @@ async def run_engines(args) -> dict:
     loops = {"plain": AdaptiveSDLoop(plain, None)}
     for k in fixed:
         loops[f"fixed_k{k}"] = AdaptiveSDLoop(sd, _FixedK(k, args.max_num_seqs))
-    loops["adaptive"] = AdaptiveSDLoop(sd, policy)
+    for m, policy in adaptive.items():
+        loops[m] = AdaptiveSDLoop(sd, policy)
     engines = {m: (plain if m == "plain" else sd) for m in modes}
     try:
         # A whole unrecorded round first: oneDNN and vLLM warm up per batch shape, and the first
         # pass over each shape would otherwise land on whichever mode met it first.
         warm = round_prompts(args.target, args.num_prompts, 1000)
         for m in modes:
-            if m != "adaptive":  # the bandit learns only from recorded rounds
+            if m not in adaptive:  # the bandit learns only from recorded rounds
                 await rollout(engines[m], warm, loops[m])
         log("warm-up round done")
         res = {m: [] for m in modes}
@@ -124,9 +131,12 @@ async def run_engines(args) -> dict:
                 res[m].append(out)
                 log(f"round {rnd} {m:>10}: {out['wall_s']:6.2f}s  {sum(map(len, out['tokens']))} tokens  "
                     f"SD share {out['summary']['sd_step_share']:.2f}  acc_len {out['summary']['acceptance_length']:.2f}")
-            log(f"round {rnd} adaptive arms per bucket {loops['adaptive'].arms()}")
-        return {"modes": modes, "rounds": res, "bandit": policy.bandit.state_dict(),
-                "final_arms": loops["adaptive"].arms()}
+            for m in adaptive:
+                log(f"round {rnd} {m} arms per bucket {loops[m].arms()}")
+        return {"modes": modes, "rounds": res, "bandit": adaptive["adaptive"].bandit.state_dict(),
+                "final_arms": loops["adaptive"].arms(),
+                "others": {m: {"bandit": p.bandit.state_dict(), "final_arms": loops[m].arms()}
+                           for m, p in adaptive.items() if m != "adaptive"}}
     finally:
         plain.shutdown()
         sd.shutdown()
@@ -169,6 +179,7 @@ def analyse(raw: dict, args) -> dict:
     out["goals"] = GOALS
     out["final_arms"] = raw["final_arms"]
     out["bandit"] = raw["bandit"]
+    out["other_adaptive"] = raw["others"]
     # Step series of the last round: what the plot shows.
     out["steps_last_round"] = {m: [{k: s[k] for k in ("t", "batch", "k", "emitted", "step_s")}
                                    for s in raw["rounds"][m][-1]["records"]] for m in modes}
@@ -182,9 +193,11 @@ def _ratios(speed: dict[str, float]) -> dict:
     """Adaptive and each fixed k against plain, and adaptive against the fastest fixed k, by `speed`."""
     fixed = [m for m in speed if m.startswith("fixed")]
     best = max(fixed, key=speed.get)
+    others = [m for m in speed if m.startswith("adaptive_")]
     return {"adaptive_vs_plain": speed["adaptive"] / speed["plain"],
             "adaptive_vs_best_fixed": speed["adaptive"] / speed[best], "best_fixed": best,
-            **{f"{m}_vs_plain": speed[m] / speed["plain"] for m in fixed}}
+            **{f"{m}_vs_plain": speed[m] / speed["plain"] for m in fixed + others},
+            **{f"{m}_vs_best_fixed": speed[m] / speed[best] for m in others}}
 
 
 def by_batch(records: list[dict]) -> dict[str, float]:
@@ -283,6 +296,8 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", type=int, nargs="+", default=None, help="the bandit's arms (default: the policy's)")
     ap.add_argument("--threshold", type=int, default=None)
     ap.add_argument("--steps-per-pull", type=int, default=8)
+    ap.add_argument("--adaptive", nargs="+", default=None, metavar="VALUES:EXPLORE",
+                    help="sd.values:bandit.explore of each adaptive mode, the first is `adaptive` (default: the policy's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the models (vLLM's default; eager otherwise)")
     ap.add_argument("--out", default=str(REPO / "bench/results/longtail_rollout.json"))
     ap.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
@@ -292,6 +307,13 @@ def main(argv=None) -> None:
     defaults = SDPolicyConfig()  # the policy as the rollout server runs it unless told otherwise
     args.threshold = defaults.threshold if args.threshold is None else args.threshold
     args.arms = list(defaults.bandit.arms) if args.arms is None else args.arms
+    args.adaptive = args.adaptive or [f"{defaults.values}:{defaults.bandit.explore}"]
+    for spec in args.adaptive:
+        values, _, explore = spec.partition(":")
+        try:
+            SDPolicyConfig(values=values, bandit={"explore": explore})
+        except (TypeError, ValueError) as e:
+            ap.error(f"--adaptive {spec}: {e}")
     if args.phase_out:  # the child: the parent passes the target it resolved as --target
         Path(args.phase_out).write_text(json.dumps(asyncio.run(run_engines(args))))
         return
@@ -321,6 +343,9 @@ def main(argv=None) -> None:
     log(f"bench: adaptive {s['adaptive_vs_plain']:.2f}x plain, {s['adaptive_vs_best_fixed']:.2f}x the best fixed "
         f"({s['best_fixed']}); decode throughput {t['adaptive_vs_plain']:.2f}x plain, {t['adaptive_vs_best_fixed']:.2f}x "
         f"{t['best_fixed']}; T={args.temperature} outputs identical to plain: {same}; -> {out}")
+    for m in result["modes"]:
+        if m.startswith("adaptive_"):
+            log(f"bench: {m} {s[f'{m}_vs_plain']:.2f}x plain, {s[f'{m}_vs_best_fixed']:.2f}x the best fixed")
 
 
 if __name__ == "__main__":

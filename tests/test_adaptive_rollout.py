@@ -83,6 +83,25 @@ def test_bandit_starts_on_the_largest_arm_and_still_finds_a_cheaper_best():
     assert picks[-50:].count(0) >= 40, picks[-50:]
 
 
+def test_adjacent_exploration_plays_the_greedy_arms_neighbours():
+    """With k=3 greedy an exploring pull plays k=2, never the far cheaper arms; with k=1 greedy, k=0
+    or k=2. Uniform exploration plays all four arms."""
+    rewards = {0: 1.0, 1: 1.2, 2: 1.3, 3: 1.5}
+    for explore, greedy, expect in (("adjacent", 3, {2, 3}), ("adjacent", 1, {0, 1, 2}), ("uniform", 3, {0, 1, 2, 3})):
+        r = dict(rewards) if greedy == 3 else {**rewards, 1: 2.0}
+        bandit = BucketedEpsilonGreedy(BanditConfig(seed=5, epsilon=0.5, min_epsilon=0.5, epsilon_decay=1.0,
+                                                    explore=explore, start="each"))
+        picks = _play(bandit, r, 400)
+        assert bandit.best(0) == greedy
+        assert set(picks[4:]) == expect, (explore, sorted(set(picks[4:])))
+    # k=0 is no neighbour of k=3, but is explored until it has a value: once here, as k=1 never is.
+    bandit = BucketedEpsilonGreedy(BanditConfig(seed=5, epsilon=0.5, min_epsilon=0.5, epsilon_decay=1.0))
+    picks = _play(bandit, rewards, 400)
+    assert picks.count(0) == 1 and picks.count(1) == 0 and picks.count(2) > 50, picks
+    with pytest.raises(ValueError, match="ascending"):
+        BanditConfig(arms=(3, 0, 1))
+
+
 def test_bandit_state_restore_continues_identically():
     rewards = {0: 1.0, 1: 1.2, 2: 1.25, 3: 0.9}
     ref = BucketedEpsilonGreedy(BanditConfig(seed=3))
@@ -110,6 +129,9 @@ def test_bandit_config_errors_name_the_option():
     with pytest.raises(ValueError) as e:
         BanditConfig(start="first")
     assert str(e.value) == "bandit.start='first': one of ['each', 'largest']"
+    with pytest.raises(ValueError) as e:
+        BanditConfig(explore="all")
+    assert str(e.value) == "bandit.explore='all': one of ['adjacent', 'uniform']"
     # A bandit in every bucket: each bucket plays every arm (at least two) on its own, not one
     # arm per bucket, nor arms shared with the other buckets' counts.
     default = BucketedEpsilonGreedy(BanditConfig(start="each"))
@@ -122,6 +144,9 @@ def test_bandit_config_errors_name_the_option():
         assert all(n == 1 for n, _ in default.estimates(bucket).values()), default.estimates(bucket)
     with pytest.raises(ValueError, match="sd.threshold"):
         SDPolicyConfig(threshold=0)
+    with pytest.raises(ValueError) as e:
+        SDPolicyConfig(values="mean")
+    assert str(e.value) == "sd.values='mean': one of ['paired', 'pull']"
     with pytest.raises(ValueError, match="bucket_edges"):
         SDPolicyConfig(threshold=4, bandit=BanditConfig(bucket_edges=(1, 2, 8)))
     with pytest.raises(ValueError, match="num_speculative_tokens=2"):
@@ -143,10 +168,15 @@ def test_policy_schedule_shape():
     assert AdaptiveSDPolicy(SDPolicyConfig(threshold=16), max_k=3, max_batch=16).schedule()[-1][1] == 16
 
 
-def _step(batch, k, emitted, step_s, **kw):
+def _step(batch, k, emitted, step_s, t=0.0, **kw):
+    """A decode step; its accepted drafts per position fill the first positions first (a chain)."""
+    per_pos, extra = [], emitted - batch
+    for _ in range(max(k, 1)):
+        per_pos.append(min(batch, extra) if k else 0)
+        extra -= per_pos[-1]
     return StepMetric(batch=batch, k=k, prefill_reqs=kw.get("prefill", 0), drafted_reqs=batch if k else 0,
-                      draft_tokens=kw.get("drafts", k * batch), accepted_per_pos=(0,) * max(k, 1),
-                      emitted=emitted, step_s=step_s)
+                      draft_tokens=kw.get("drafts", k * batch), accepted_per_pos=tuple(per_pos),
+                      emitted=emitted, step_s=step_s, t=t)
 
 
 def test_policy_learns_from_steps_and_skips_unsteady_ones():
@@ -188,6 +218,74 @@ def test_reward_does_not_favour_the_arm_that_met_the_larger_batch():
     # Engine tokens/s would have ranked them the other way round.
     assert 60 / plain(60) > 18 * 2.2 / (1.8 * plain(18))
 
+
+
+def test_paired_values_price_smaller_arms_from_the_incumbents_drafts():
+    """A k=3 pull says what k=1 and k=2 would have emitted (its accepted drafts per position); an
+    adjacent k=1 pull gives k=1's cost; a pull after a rollout-sized gap is not compared."""
+    cfg = SDPolicyConfig(threshold=8, steps_per_pull=2, bandit=BanditConfig(bucket_edges=(1,), arms=(0, 1, 3), seed=0))
+    policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=8)
+
+    def pull(k, per_pos, step_s, t0):
+        emitted = 4 + sum(per_pos[:k])
+        step = StepMetric(batch=4, k=k, prefill_reqs=0, drafted_reqs=4 if k else 0, draft_tokens=4 * k,
+                          accepted_per_pos=tuple(per_pos), emitted=emitted, step_s=step_s, t=t0)
+        policy._arm[0] = k  # the arm the test plays next, as if the bandit had picked it
+        policy.observe([step, StepMetric(**{**vars(step), "t": t0 + step_s})])
+
+    pull(3, (4, 3, 2), 0.020, 0.0)       # 13 tokens a step: k=1 would have emitted 8, k=0 4
+    assert policy.bandit.estimates(0) == {0: (0, None), 1: (0, None), 3: (1, pytest.approx(13 / 4 / 0.020))}
+    pull(1, (2, 0, 0), 0.010, 0.1)       # k=1's own pull: 6 tokens, half the cost
+    est = policy.bandit.estimates(0)
+    # k=1: tokens per request (8 + 6) / 8 over its cost (0.010); k=3 priced at the same conditions.
+    assert est[1] == (1, pytest.approx(14 / 8 / 0.010)) and est[3] == (1, pytest.approx(13 / 4 / 0.020))
+    pull(0, (0, 0, 0), 0.005, 10.0)      # k=0 after a gap: counted, but not compared with anything
+    est = policy.bandit.estimates(0)
+    assert est[0] == (1, pytest.approx(1 / 0.005)) and est[1][1] is None and est[3][1] is None
+    assert policy.bandit.best(0) == 0
+    pull(3, (4, 4, 4), 0.012, 10.02)     # linked to k=0 now; k=1 stays linked through its old pair
+    est = policy.bandit.estimates(0)
+    assert est[3][1] == pytest.approx((13 + 16) / 8 / 0.012) and est[1][1] is not None
+    assert est[0][1] == pytest.approx(1 / 0.005)
+
+
+def _tail(values: str, per_pos: tuple[int, ...], rollouts: int, pulls: int = 40, force=None) -> list[int]:
+    """Arms played in a bucket at batch 10 through rollouts whose step cost triples from the first pull
+    to the last (contexts grow) and starts over at the next; a step of arm k costs (1 + 0.3 k) plain
+    steps. `force` maps (rollout, pull) to the arm to play instead of the bandit's. Returns the arms."""
+    cfg = SDPolicyConfig(threshold=16, steps_per_pull=4, values=values,
+                         bandit=BanditConfig(bucket_edges=(1,), arms=(0, 1, 2, 3), seed=0))
+    policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=16)
+    played, t = [], 0.0
+    for r in range(rollouts):
+        t += 30.0  # the RL step's training between rollouts
+        for p in range(pulls):
+            k = policy._arm[0] = (force or {}).get((r, p), policy.arm(0))
+            played.append(k)
+            base = 0.01 * (1 + 2 * p / pulls)
+            for _ in range(4):
+                t += base
+                policy.observe([StepMetric(batch=10, k=k, prefill_reqs=0, drafted_reqs=10 if k else 0,
+                                           draft_tokens=10 * k, accepted_per_pos=per_pos,
+                                           emitted=10 + sum(per_pos[:k]), step_s=base * (1 + 0.3 * k), t=t)])
+    return played, policy.bandit
+
+
+def test_paired_values_compare_arms_at_the_same_conditions():
+    """k=3 is worth 1.79 plain steps' tokens, k=2 1.69 (9, 8, 7 of 10 drafts accepted per position).
+    One k=2 pull early in a rollout, k=3 before and after it: as a pull reward, k=2's is measured at
+    the cheap start and k=3's over the whole rollout, and k=2 becomes the greedy arm. Paired values
+    price k=2 against the k=3 pulls beside it and keep k=3."""
+    force = {(0, p): 3 for p in range(40)} | {(0, 1): 2}
+    for values, best in (("paired", 3), ("pull", 2)):
+        _, bandit = _tail(values, (9, 8, 7), rollouts=1, force=force)
+        assert bandit.best(0) == best, (values, bandit.estimates(0))
+    # Left to the bandit, paired values stay on k=3 but for exploration; where drafts are mostly
+    # rejected (5, 2, 1 of 10: k=1 is worth 1.15, k=3 0.95) they move to k=1.
+    for per_pos, best in (((9, 8, 7), 3), ((5, 2, 1), 1)):
+        played, _ = _tail("paired", per_pos, rollouts=12)
+        later = played[len(played) // 4:]
+        assert sum(k == best for k in later) / len(later) >= 0.9, (per_pos, later)
 
 
 def test_replicas_pool_into_one_summary():

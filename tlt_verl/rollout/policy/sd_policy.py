@@ -4,8 +4,10 @@ Its output is the schedule vLLM 0.30 reads (`num_speculative_tokens_per_batch_si
 `(start, end, k)` ranges starting at 1, k=0 allowed), which the engine takes at run time
 (`patches/vllm_sd/runtime.py`). Its input is the engine's per-step records: each decode step
 under a bucket's current arm adds its tokens and its request-seconds (batch x step time) to that
-arm's pull; after `steps_per_pull` steps the pull's tokens per request-second are the bandit's
-reward and the bucket moves on to the bandit's next choice.
+arm's pull; after `steps_per_pull` steps the pull values the bucket's arms (`sd.values`: by default
+every arm from its own tokens and cost and the smaller arms' tokens the pull's accepted drafts
+imply, arm_values.py; or the pull's tokens per request-second as its arm's reward) and the bucket
+moves on to the bandit's next choice.
 
 Why per request: a pull runs while the long tail drains, so the batch shrinks under it, and a
 bucket spans a range of batch sizes (the last one is open). Engine tokens/s grow almost in
@@ -17,8 +19,9 @@ to be pulled (on the long-tail bench, the arms first tried at batch 64 led bucke
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
+from tlt_verl.rollout.policy.arm_values import VALUES, Pull
 from tlt_verl.rollout.policy.bandit import BanditConfig, BucketedEpsilonGreedy
 
 # Running batch above which SD is off. Measured on the workload it serves, the long-tail rollout of
@@ -69,6 +72,9 @@ class StepMetric:
 class SDPolicyConfig:
     threshold: int = DEFAULT_THRESHOLD
     steps_per_pull: int = 8
+    # How a pull values the arms (arm_values.VALUES): "paired", every arm from tokens implied by any
+    # pull and costs from adjacent pulls; "pull", each pull's own reward for its arm.
+    values: str = "paired"
     bandit: BanditConfig = field(default_factory=BanditConfig)
 
     def __post_init__(self) -> None:
@@ -78,6 +84,8 @@ class SDPolicyConfig:
             raise ValueError(f"sd.threshold={self.threshold}: must be >= 1")
         if self.steps_per_pull < 1:
             raise ValueError(f"sd.steps_per_pull={self.steps_per_pull}: must be >= 1")
+        if self.values not in VALUES:
+            raise ValueError(f"sd.values={self.values!r}: one of {sorted(VALUES)}")
         if self.bandit.bucket_edges[-1] > self.threshold:
             raise ValueError(f"bandit.bucket_edges={list(self.bandit.bucket_edges)}: a bucket starting above "
                              f"sd.threshold={self.threshold} would never be played")
@@ -93,8 +101,9 @@ class AdaptiveSDPolicy:
         self.max_batch = max_batch
         self.bandit = BucketedEpsilonGreedy(config.bandit)
         n = config.bandit.num_buckets
+        self.values = VALUES[config.values](config.bandit.arms, n, config.bandit.step_size)
         self._arm = [self.bandit.select(b) for b in range(n)]
-        self._acc = [[0, 0, 0.0] for _ in range(n)]  # steps, tokens, request-seconds of the current pull
+        self._acc: list[Optional[_PullSoFar]] = [None] * n  # the current pull's steps, per bucket
 
     def arm(self, bucket: int) -> int:
         return self._arm[bucket]
@@ -120,30 +129,63 @@ class AdaptiveSDPolicy:
             b = self.bandit.bucket_of(m.batch)
             if m.k != self._arm[b]:
                 continue  # ran under an older schedule
-            acc = self._acc[b]
-            acc[0] += 1
-            acc[1] += m.emitted
-            acc[2] += m.step_s * m.batch
-            if acc[0] >= self.config.steps_per_pull:
-                self.bandit.update(b, self._arm[b], acc[1] / acc[2])
+            acc = self._acc[b] = self._acc[b] or _PullSoFar(self._arm[b])
+            acc.add(m)
+            if acc.steps >= self.config.steps_per_pull:
+                self.values.learn(self.bandit, b, acc.pull())
                 new = self.bandit.select(b)
                 changed |= new != self._arm[b]
                 self._arm[b] = new
-                self._acc[b] = [0, 0, 0.0]
+                self._acc[b] = None
         return changed
 
     def state_dict(self) -> dict[str, Any]:
         return {"config": {"threshold": self.config.threshold, "steps_per_pull": self.config.steps_per_pull,
-                           "bandit": asdict(self.config.bandit)},
-                "bandit": self.bandit.state_dict(), "arms": list(self._arm), "acc": [list(a) for a in self._acc]}
+                           "values": self.config.values, "bandit": asdict(self.config.bandit)},
+                "bandit": self.bandit.state_dict(), "values": self.values.state_dict(), "arms": list(self._arm),
+                "acc": [None if a is None else asdict(a) for a in self._acc]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state["config"]["threshold"] != self.config.threshold:
-            raise ValueError(f"sd policy state: threshold={state['config']['threshold']} does not match "
+        saved = state["config"]
+        if saved["threshold"] != self.config.threshold:
+            raise ValueError(f"sd policy state: threshold={saved['threshold']} does not match "
                              f"sd.threshold={self.config.threshold}")
+        # States saved before sd.values existed valued arms by each pull's reward.
+        if saved.get("values", "pull") != self.config.values:
+            raise ValueError(f"sd policy state: values={saved.get('values', 'pull')} does not match "
+                             f"sd.values={self.config.values}")
         self.bandit.load_state_dict(state["bandit"])
+        self.values.load_state_dict(state.get("values", {}))
         self._arm = [int(a) for a in state["arms"]]
-        self._acc = [[int(a[0]), int(a[1]), float(a[2])] for a in state["acc"]]
+        # An older state's pull in progress (a list) is dropped: the bucket starts its pull again.
+        self._acc = [_PullSoFar(**a) if isinstance(a, Mapping) else None for a in state["acc"]]
+
+
+@dataclass
+class _PullSoFar:
+    arm: int
+    steps: int = 0
+    request_steps: int = 0
+    request_seconds: float = 0.0
+    tokens: list[int] = field(default_factory=list)  # what arms 0..arm emitted or would have
+    t_start: float = 0.0
+    t_end: float = 0.0
+
+    def add(self, m: StepMetric) -> None:
+        if not self.steps:
+            self.tokens = [0] * (self.arm + 1)
+            self.t_start = m.t - m.step_s
+        self.steps += 1
+        self.request_steps += m.batch
+        self.request_seconds += m.step_s * m.batch
+        self.t_end = m.t
+        # Arm k' < arm: every request emits its verified token plus its accepted drafts before k'.
+        for k in range(self.arm):
+            self.tokens[k] += m.batch + sum(m.accepted_per_pos[:k])
+        self.tokens[self.arm] += m.emitted
+
+    def pull(self) -> Pull:
+        return Pull(self.arm, self.request_steps, self.request_seconds, tuple(self.tokens), self.t_start, self.t_end)
 
 
 def sd_policy_pulls(state: Mapping[str, Any]) -> int:

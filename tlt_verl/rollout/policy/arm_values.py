@@ -1,0 +1,152 @@
+"""What each SD arm is worth in a bucket, from pulls of any arm: tokens per step over step cost.
+
+A pull's own tokens per request-second (the plain bandit reward) drifts with where in the tail the
+pull ran: contexts grow and the batch shrinks while the tail drains, so a cheap arm tried early in a
+bucket looks better than the incumbent's mean over the whole tail, and the bandit keeps going back
+to it (on the long-tail bench, 16 of 60 pulls of the 4-7 bucket went to arms other than the best
+one, where exploration alone accounts for about 4). So the value of arm k is split in two:
+
+- tokens per request-step, A_k. A step under arm k also says what every smaller arm would have
+  emitted: draft i does not depend on how many drafts follow it (a chain, or parallel drafting
+  under a causal mask), so arm k' < k would have emitted batch + accepted drafts at positions
+  < k'. Every pull of the incumbent thus keeps the smaller arms' A up to date, no exploration needed.
+- step cost, as log-cost differences between arms measured by adjacent pulls: a pull of arm k right
+  after a pull of arm j (same bucket, no gap) ran at nearly the same batch and contexts, so
+  log C_k - log C_j is the arms' cost difference with the drift taken out. An exploratory pull sits
+  between two pulls of the incumbent, so the drift's first-order bias cancels. Per-arm log costs
+  are the least-squares fit to those differences.
+
+An arm's value is A_k / C_k with every C taken at the latest pull's conditions (tokens per
+request-second, as the plain reward). Arms with no pull of their own have no cost and no value.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from tlt_verl.rollout.policy.bandit import BucketedEpsilonGreedy, mean_step
+
+# Two pulls further apart than this are not compared: a gap this long is a rollout boundary (the
+# RL step's training ran between them), after which batch and contexts start over.
+PAIR_GAP_S = 1.0
+
+
+@dataclass
+class Pull:
+    """One finished pull of `arm` in a bucket: its steady steps summed."""
+    arm: int
+    request_steps: int            # sum of batch over its steps
+    request_seconds: float        # sum of batch x step time
+    tokens: tuple[int, ...]       # tokens arm k' = 0..arm would have emitted (the last: what it did emit)
+    t_start: float
+    t_end: float
+
+
+class PullRewards:
+    """sd.values=pull: each pull's own tokens per request-second is its arm's reward (BEG-MAB as
+    published), a running mean per arm kept by the bandit."""
+
+    def __init__(self, arms: tuple[int, ...], num_buckets: int, step_size: Optional[float] = None) -> None:
+        pass
+
+    def learn(self, bandit: BucketedEpsilonGreedy, bucket: int, pull: Pull) -> None:
+        bandit.update(bucket, pull.arm, pull.tokens[-1] / pull.request_seconds)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class ArmValues:
+    """sd.values=paired: per bucket, A_k (running or exponential mean, `step_size` as the bandit's)
+    and the log-cost differences of adjacent pulls; after each pull the bandit gets every arm's value."""
+
+    def __init__(self, arms: tuple[int, ...], num_buckets: int, step_size: Optional[float] = None) -> None:
+        self.arms = tuple(arms)
+        self.step_size = step_size
+        m = len(self.arms)
+        self._acc = [[[0, 0.0] for _ in range(m)] for _ in range(num_buckets)]      # [n, mean A]
+        self._diff = [[[[0, 0.0] for _ in range(m)] for _ in range(m)] for _ in range(num_buckets)]  # i<j: log C_j - log C_i
+        self._pulled = [[False] * m for _ in range(num_buckets)]
+        self._last: list[Optional[list]] = [None] * num_buckets  # [arm index, log cost, t_end]
+
+    def _mean(self, cell: list, x: float) -> None:
+        cell[0] += 1
+        cell[1] = mean_step(cell[1], x, cell[0], self.step_size)
+
+    def learn(self, bandit: BucketedEpsilonGreedy, bucket: int, pull: Pull) -> None:
+        self.add(bucket, pull)
+        bandit.record(bucket, pull.arm, self.values(bucket))
+
+    def add(self, bucket: int, pull: Pull) -> None:
+        i = self.arms.index(pull.arm)
+        for k, tokens in enumerate(pull.tokens):
+            if k in self.arms:
+                self._mean(self._acc[bucket][self.arms.index(k)], tokens / pull.request_steps)
+        log_cost = math.log(pull.request_seconds / pull.request_steps)
+        last = self._last[bucket]
+        if last is not None and last[0] != i and pull.t_start - last[2] <= PAIR_GAP_S:
+            a, b = sorted((last[0], i))
+            sign = 1.0 if b == i else -1.0
+            self._mean(self._diff[bucket][a][b], sign * (log_cost - last[1]))
+        self._pulled[bucket][i] = True
+        self._last[bucket] = [i, log_cost, pull.t_end]
+
+    def _log_costs(self, bucket: int) -> dict[int, float]:
+        """Arm index -> log cost relative to the latest pull's arm, for the arms linked to it by pairs."""
+        anchor = self._last[bucket][0]
+        m = len(self.arms)
+        edges = [(a, b, n, d) for a in range(m) for b in range(a + 1, m)
+                 for n, d in [self._diff[bucket][a][b]] if n > 0]
+        linked, grew = {anchor}, True
+        while grew:
+            grew = False
+            for a, b, _, _ in edges:
+                if (a in linked) != (b in linked):
+                    linked |= {a, b}
+                    grew = True
+        nodes = sorted(linked)
+        if len(nodes) == 1:
+            return {anchor: 0.0}
+        col = {a: c for c, a in enumerate(nodes)}
+        rows, rhs = [], []
+        for a, b, n, d in edges:
+            if a in linked:
+                w = math.sqrt(n)
+                row = [0.0] * len(nodes)
+                row[col[b]], row[col[a]] = w, -w
+                rows.append(row)
+                rhs.append(w * d)
+        pin = [0.0] * len(nodes)
+        pin[col[anchor]] = 1.0
+        rows.append(pin)
+        rhs.append(0.0)
+        theta = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)[0]
+        return {a: float(theta[col[a]] - theta[col[anchor]]) for a in nodes}
+
+    def values(self, bucket: int) -> dict[int, float]:
+        """{k: estimated tokens per request-second} for the arms that have a cost (pulled, linked)."""
+        if self._last[bucket] is None:
+            return {}
+        base = self._last[bucket][1]
+        return {self.arms[i]: self._acc[bucket][i][1] / math.exp(base + rel)
+                for i, rel in self._log_costs(bucket).items()
+                if self._pulled[bucket][i] and self._acc[bucket][i][0] > 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"acc": self._acc, "diff": self._diff, "pulled": self._pulled, "last": self._last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._acc = [[[int(n), float(v)] for n, v in b] for b in state["acc"]]
+        self._diff = [[[[int(n), float(v)] for n, v in row] for row in b] for b in state["diff"]]
+        self._pulled = [[bool(p) for p in b] for b in state["pulled"]]
+        self._last = [None if x is None else [int(x[0]), float(x[1]), float(x[2])] for x in state["last"]]
+
+
+# sd.values -> how a bucket's arms are valued from its pulls.
+VALUES = {"paired": ArmValues, "pull": PullRewards}
