@@ -247,6 +247,11 @@ def test_paired_values_price_smaller_arms_from_the_incumbents_drafts():
     est = policy.bandit.estimates(0)
     assert est[3][1] == pytest.approx((13 + 16) / 8 / 0.012) and est[1][1] is not None
     assert est[0][1] == pytest.approx(1 / 0.005)
+    # A pull does not run across a rollout boundary: the last rollout's lone step is dropped.
+    policy.observe([StepMetric(batch=4, k=3, prefill_reqs=0, drafted_reqs=4, draft_tokens=12,
+                               accepted_per_pos=(0, 0, 0), emitted=4, step_s=0.03, t=20.0)])
+    pull(3, (4, 4, 4), 0.012, 40.0)
+    assert policy.bandit.estimates(0)[3] == (3, pytest.approx((13 / 4 + 16 / 4 + 16 / 4) / 3 / 0.012))
 
 
 def _tail(values: str, per_pos: tuple[int, ...], rollouts: int, pulls: int = 40, force=None) -> list[int]:

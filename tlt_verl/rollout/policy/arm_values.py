@@ -29,9 +29,10 @@ import numpy as np
 
 from tlt_verl.rollout.policy.bandit import BucketedEpsilonGreedy, mean_step
 
-# Two pulls further apart than this are not compared: a gap this long is a rollout boundary (the
-# RL step's training ran between them), after which batch and contexts start over.
-PAIR_GAP_S = 1.0
+# A pause between steps this long is a rollout boundary (the RL step's training ran in it), after
+# which batch and contexts start over: pulls on either side of one are not compared, and a pull
+# does not run across one.
+ROLLOUT_GAP_S = 1.0
 
 
 @dataclass
@@ -90,7 +91,7 @@ class ArmValues:
                 self._mean(self._acc[bucket][self.arms.index(k)], tokens / pull.request_steps)
         log_cost = math.log(pull.request_seconds / pull.request_steps)
         last = self._last[bucket]
-        if last is not None and last[0] != i and pull.t_start - last[2] <= PAIR_GAP_S:
+        if last is not None and last[0] != i and pull.t_start - last[2] <= ROLLOUT_GAP_S:
             a, b = sorted((last[0], i))
             sign = 1.0 if b == i else -1.0
             self._mean(self._diff[bucket][a][b], sign * (log_cost - last[1]))

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Optional
 
-from tlt_verl.rollout.policy.arm_values import VALUES, Pull
+from tlt_verl.rollout.policy.arm_values import ROLLOUT_GAP_S, VALUES, Pull
 from tlt_verl.rollout.policy.bandit import BanditConfig, BucketedEpsilonGreedy
 
 # Running batch above which SD is off. Measured on the workload it serves, the long-tail rollout of
@@ -129,7 +129,9 @@ class AdaptiveSDPolicy:
             b = self.bandit.bucket_of(m.batch)
             if m.k != self._arm[b]:
                 continue  # ran under an older schedule
-            acc = self._acc[b] = self._acc[b] or _PullSoFar(self._arm[b])
+            acc = self._acc[b]
+            if acc is None or m.t - m.step_s - acc.t_end > ROLLOUT_GAP_S:
+                acc = self._acc[b] = _PullSoFar(self._arm[b])  # a pull's steps come from one rollout
             acc.add(m)
             if acc.steps >= self.config.steps_per_pull:
                 self.values.learn(self.bandit, b, acc.pull())
