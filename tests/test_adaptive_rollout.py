@@ -254,6 +254,28 @@ def test_paired_values_price_smaller_arms_from_the_incumbents_drafts():
     assert policy.bandit.estimates(0)[3] == (3, pytest.approx((13 / 4 + 16 / 4 + 16 / 4) / 3 / 0.012))
 
 
+def test_paired_values_compare_costs_at_the_batch_sizes_both_pulls_ran():
+    """The batch falls from 10 to 5 at the end of a k=3 pull; k=2 is tried next, at batch 5. A step
+    at batch 10 costs more than one at 5, so over the pulls' mean step costs k=2 (2.35 tokens a
+    request, 9.5 ms) looks cheaper than k=3 (2.6, 9.0 ms at batch 5 but 12 ms at 10) and wins; at
+    their common batch size k=3 is the cheaper and better arm."""
+    cfg = SDPolicyConfig(threshold=16, steps_per_pull=8, bandit=BanditConfig(bucket_edges=(1,), arms=(0, 2, 3)))
+    policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=16)
+
+    def step(batch, k, per_pos, step_s, t):
+        return StepMetric(batch=batch, k=k, prefill_reqs=0, drafted_reqs=batch, draft_tokens=k * batch,
+                          accepted_per_pos=per_pos, emitted=batch + sum(per_pos[:k]), step_s=step_s, t=t)
+
+    policy._arm[0] = 3
+    policy.observe([step(10, 3, (8, 5, 3), 0.012, 0.1 + 0.01 * i) for i in range(7)] + [step(5, 3, (4, 3, 1), 0.009, 0.2)])
+    policy._arm[0] = 2
+    policy.observe([step(5, 2, (4, 3, 0), 0.0095, 0.3 + 0.01 * i) for i in range(8)])
+    est = policy.bandit.estimates(0)
+    a2 = ((7 * 23 + 12) / 75 + 12 / 5) / 2  # k=2's tokens a request: implied by the k=3 pull, then its own
+    assert est[2][1] == pytest.approx(a2 / 0.0095) and est[3][1] == pytest.approx(2.6 / 0.009)
+    assert policy.bandit.best(0) == 3
+
+
 def _tail(values: str, per_pos: tuple[int, ...], rollouts: int, pulls: int = 40, force=None) -> list[int]:
     """Arms played in a bucket at batch 10 through rollouts whose step cost triples from the first pull
     to the last (contexts grow) and starts over at the next; a step of arm k costs (1 + 0.3 k) plain

@@ -11,10 +11,14 @@ one, where exploration alone accounts for about 4). So the value of arm k is spl
   under a causal mask), so arm k' < k would have emitted batch + accepted drafts at positions
   < k'. Every pull of the incumbent thus keeps the smaller arms' A up to date, no exploration needed.
 - step cost, as log-cost differences between arms measured by adjacent pulls: a pull of arm k right
-  after a pull of arm j (same bucket, no gap) ran at nearly the same batch and contexts, so
-  log C_k - log C_j is the arms' cost difference with the drift taken out. An exploratory pull sits
-  between two pulls of the incumbent, so the drift's first-order bias cancels. Per-arm log costs
-  are the least-squares fit to those differences.
+  after a pull of arm j (same bucket, no gap) ran at nearly the same contexts, and their steps at
+  the batch sizes both ran give log C_k - log C_j with the drift taken out. Where the two share
+  batch sizes only those count: a bucket spans several, and a step at batch 3 costs 15% more than
+  one at batch 2 here, so a cheap arm tried just after the batch fell would be credited with the
+  fall, and kept (measured: k=2 held the 2-3 bucket where k=3's steps were both cheaper and
+  emitted more). Pulls with no batch size in common (in a wide bucket the batch can fall at every
+  step) compare their mean step costs. Per-arm log costs are the least-squares fit to those
+  differences.
 
 An arm's value is A_k / C_k with every C taken at the latest pull's conditions (tokens per
 request-second, as the plain reward). Arms with no pull of their own have no cost and no value.
@@ -44,6 +48,24 @@ class Pull:
     tokens: tuple[int, ...]       # tokens arm k' = 0..arm would have emitted (the last: what it did emit)
     t_start: float
     t_end: float
+    by_batch: dict[int, tuple[int, float]]  # batch size -> (steps, seconds) of its steps at that size
+
+
+def _log_cost_difference(new: dict[int, tuple[int, float]], old: dict[int, tuple[int, float]]) -> float:
+    """Log step cost of `new` minus `old`: over the batch sizes both ran, else over all their steps."""
+    total = weight = 0.0
+    for b in new.keys() & old.keys():
+        (n1, s1), (n0, s0) = new[b], old[b]
+        w = min(n1, n0)
+        total += w * (math.log(s1 / n1) - math.log(s0 / n0))
+        weight += w
+    if weight:
+        return total / weight
+
+    def mean_log(steps: dict[int, tuple[int, float]]) -> float:
+        return math.log(sum(s for _, s in steps.values()) / sum(n for n, _ in steps.values()))
+
+    return mean_log(new) - mean_log(old)
 
 
 class PullRewards:
@@ -74,7 +96,7 @@ class ArmValues:
         self._acc = [[[0, 0.0] for _ in range(m)] for _ in range(num_buckets)]      # [n, mean A]
         self._diff = [[[[0, 0.0] for _ in range(m)] for _ in range(m)] for _ in range(num_buckets)]  # i<j: log C_j - log C_i
         self._pulled = [[False] * m for _ in range(num_buckets)]
-        self._last: list[Optional[list]] = [None] * num_buckets  # [arm index, log cost, t_end]
+        self._last: list[Optional[list]] = [None] * num_buckets  # [arm index, log cost, t_end, by_batch]
 
     def _mean(self, cell: list, x: float) -> None:
         cell[0] += 1
@@ -92,11 +114,11 @@ class ArmValues:
         log_cost = math.log(pull.request_seconds / pull.request_steps)
         last = self._last[bucket]
         if last is not None and last[0] != i and pull.t_start - last[2] <= ROLLOUT_GAP_S:
+            d = _log_cost_difference(pull.by_batch, last[3])
             a, b = sorted((last[0], i))
-            sign = 1.0 if b == i else -1.0
-            self._mean(self._diff[bucket][a][b], sign * (log_cost - last[1]))
+            self._mean(self._diff[bucket][a][b], d if b == i else -d)
         self._pulled[bucket][i] = True
-        self._last[bucket] = [i, log_cost, pull.t_end]
+        self._last[bucket] = [i, log_cost, pull.t_end, dict(pull.by_batch)]
 
     def _log_costs(self, bucket: int) -> dict[int, float]:
         """Arm index -> log cost relative to the latest pull's arm, for the arms linked to it by pairs."""
@@ -146,7 +168,9 @@ class ArmValues:
         self._acc = [[[int(n), float(v)] for n, v in b] for b in state["acc"]]
         self._diff = [[[[int(n), float(v)] for n, v in row] for row in b] for b in state["diff"]]
         self._pulled = [[bool(p) for p in b] for b in state["pulled"]]
-        self._last = [None if x is None else [int(x[0]), float(x[1]), float(x[2])] for x in state["last"]]
+        self._last = [None if x is None else [int(x[0]), float(x[1]), float(x[2]),
+                                              {int(b): (int(n), float(t)) for b, (n, t) in x[3].items()}]
+                      for x in state["last"]]
 
 
 # sd.values -> how a bucket's arms are valued from its pulls.

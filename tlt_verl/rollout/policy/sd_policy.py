@@ -160,7 +160,8 @@ class AdaptiveSDPolicy:
         self.values.load_state_dict(state.get("values", {}))
         self._arm = [int(a) for a in state["arms"]]
         # An older state's pull in progress (a list) is dropped: the bucket starts its pull again.
-        self._acc = [_PullSoFar(**a) if isinstance(a, Mapping) else None for a in state["acc"]]
+        self._acc = [_PullSoFar(**{**a, "by_batch": {int(b): list(v) for b, v in a.get("by_batch", {}).items()}})
+                     if isinstance(a, Mapping) else None for a in state["acc"]]
 
 
 @dataclass
@@ -172,6 +173,7 @@ class _PullSoFar:
     tokens: list[int] = field(default_factory=list)  # what arms 0..arm emitted or would have
     t_start: float = 0.0
     t_end: float = 0.0
+    by_batch: dict[int, list] = field(default_factory=dict)  # batch size -> [steps, seconds]
 
     def add(self, m: StepMetric) -> None:
         if not self.steps:
@@ -181,13 +183,17 @@ class _PullSoFar:
         self.request_steps += m.batch
         self.request_seconds += m.step_s * m.batch
         self.t_end = m.t
+        at = self.by_batch.setdefault(m.batch, [0, 0.0])
+        at[0] += 1
+        at[1] += m.step_s
         # Arm k' < arm: every request emits its verified token plus its accepted drafts before k'.
         for k in range(self.arm):
             self.tokens[k] += m.batch + sum(m.accepted_per_pos[:k])
         self.tokens[self.arm] += m.emitted
 
     def pull(self) -> Pull:
-        return Pull(self.arm, self.request_steps, self.request_seconds, tuple(self.tokens), self.t_start, self.t_end)
+        return Pull(self.arm, self.request_steps, self.request_seconds, tuple(self.tokens), self.t_start, self.t_end,
+                    {b: (n, t) for b, (n, t) in self.by_batch.items()})
 
 
 def sd_policy_pulls(state: Mapping[str, Any]) -> int:
