@@ -222,7 +222,8 @@ def plot(result: dict, png: Path) -> None:
     modes = list(result["modes"])
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.5))
     walls = [result["modes"][m]["wall_s"] for m in modes]
-    ax0.bar(modes, walls, color=["grey"] + ["tab:blue"] * (len(modes) - 2) + ["tab:red"])
+    colours = {"plain": "grey", "adaptive": "tab:red"}
+    ax0.bar(modes, walls, color=[colours.get(m, "salmon" if m.startswith("adaptive") else "tab:blue") for m in modes])
     ax0.set_ylabel("rollout wall clock, all rounds (s)")
     ax0.set_title(f"adaptive {result['speedup']['adaptive_vs_plain']:.2f}x plain, "
                   f"{result['speedup']['adaptive_vs_best_fixed']:.2f}x {result['speedup']['best_fixed']}")
