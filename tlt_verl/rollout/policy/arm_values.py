@@ -22,6 +22,8 @@ one, where exploration alone accounts for about 4). So the value of arm k is spl
 
 An arm's value is A_k / C_k with every C taken at the latest pull's conditions (tokens per
 request-second, as the plain reward). Arms with no pull of their own have no cost and no value.
+Against per-pull rewards on the long-tail bench, side by side in eight runs: no difference beyond
+the bench's noise (README, "Adaptive SD in the rollout").
 """
 from __future__ import annotations
 
