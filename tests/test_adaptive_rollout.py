@@ -199,6 +199,11 @@ def test_policy_learns_from_steps_and_skips_unsteady_ones():
     other = AdaptiveSDPolicy(cfg, max_k=2, max_batch=16)
     other.load_state_dict(state)
     assert other.schedule() == policy.schedule() and other.state_dict() == policy.state_dict()
+    # A saved state is a copy: the policy learning on does not change it.
+    saved = policy.state_dict()
+    before = json.dumps(saved)
+    policy.observe([_step(2, policy.arm(0), 6, 0.012)] * 8)
+    assert json.dumps(saved) == before != json.dumps(policy.state_dict())
 
 
 def test_reward_does_not_favour_the_arm_that_met_the_larger_batch():

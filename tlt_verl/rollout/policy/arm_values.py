@@ -27,6 +27,7 @@ the bench's noise (README, "Adaptive SD in the rollout").
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -164,7 +165,8 @@ class ArmValues:
                 if self._pulled[bucket][i] and self._acc[bucket][i][0] > 0}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"acc": self._acc, "diff": self._diff, "pulled": self._pulled, "last": self._last}
+        """A copy: the policy keeps learning after a checkpoint takes it."""
+        return copy.deepcopy({"acc": self._acc, "diff": self._diff, "pulled": self._pulled, "last": self._last})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._acc = [[[int(n), float(v)] for n, v in b] for b in state["acc"]]
