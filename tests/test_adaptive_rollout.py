@@ -199,11 +199,17 @@ def test_policy_learns_from_steps_and_skips_unsteady_ones():
     other = AdaptiveSDPolicy(cfg, max_k=2, max_batch=16)
     other.load_state_dict(state)
     assert other.schedule() == policy.schedule() and other.state_dict() == policy.state_dict()
-    # A saved state is a copy: the policy learning on does not change it.
+    # A saved state is a copy, and so is what a policy loads: learning on changes neither.
     saved = policy.state_dict()
     before = json.dumps(saved)
     policy.observe([_step(2, policy.arm(0), 6, 0.012)] * 8)
     assert json.dumps(saved) == before != json.dumps(policy.state_dict())
+    policy.observe([_step(2, policy.arm(0), 6, 0.012)])  # a pull in progress, in the state
+    saved = policy.state_dict()
+    other.load_state_dict(saved)
+    before = json.dumps(saved)
+    other.observe([_step(2, other.arm(0), 6, 0.012)])
+    assert json.dumps(saved) == before
 
 
 def test_reward_does_not_favour_the_arm_that_met_the_larger_batch():

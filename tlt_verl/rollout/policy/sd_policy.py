@@ -18,6 +18,7 @@ to be pulled (on the long-tail bench, the arms first tried at batch 64 led bucke
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Optional
 
@@ -148,6 +149,7 @@ class AdaptiveSDPolicy:
                 "acc": [None if a is None else asdict(a) for a in self._acc]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = copy.deepcopy(state)  # the policy learns on in place; the caller's state stays as saved
         saved = state["config"]
         if saved["threshold"] != self.config.threshold:
             raise ValueError(f"sd policy state: threshold={saved['threshold']} does not match "
