@@ -84,8 +84,8 @@ class BanditConfig:
     # k=1 up, each k adds one verified token a request to a step, and tokens per step grow less with
     # every k (a draft is accepted only after the ones before it), so over those arms the value has
     # one peak and a better arm sits next to the greedy one; exploring k=0 from k=3 costs a third of
-    # the tail's speed for a pull, exploring k=2 a tenth here. k=0 saves the drafter's forward too,
-    # a step no chain of neighbours need cross, so it is valued once on its own.
+    # the tail's speed for a pull, exploring k=2 a tenth here. k=0 also drops the drafter's forward,
+    # so its value can stand above a peak among the others; it is valued once on its own.
     explore: str = "adjacent"
 
     def __post_init__(self) -> None:
