@@ -46,12 +46,20 @@ ROLLOUT_GAP_S = 1.0
 class Pull:
     """One finished pull of `arm` in a bucket: its steady steps summed."""
     arm: int
-    request_steps: int            # sum of batch over its steps
-    request_seconds: float        # sum of batch x step time
     tokens: tuple[int, ...]       # tokens arm k' = 0..arm would have emitted (the last: what it did emit)
     t_start: float
     t_end: float
     by_batch: dict[int, tuple[int, float]]  # batch size -> (steps, seconds) of its steps at that size
+
+    @property
+    def request_steps(self) -> int:
+        """Sum of batch over its steps."""
+        return sum(b * n for b, (n, _) in self.by_batch.items())
+
+    @property
+    def request_seconds(self) -> float:
+        """Sum of batch x step time over its steps."""
+        return sum(b * t for b, (_, t) in self.by_batch.items())
 
 
 def _log_cost_difference(new: dict[int, tuple[int, float]], old: dict[int, tuple[int, float]]) -> float:
@@ -98,7 +106,6 @@ class ArmValues:
         m = len(self.arms)
         self._acc = [[[0, 0.0] for _ in range(m)] for _ in range(num_buckets)]      # [n, mean A]
         self._diff = [[[[0, 0.0] for _ in range(m)] for _ in range(m)] for _ in range(num_buckets)]  # i<j: log C_j - log C_i
-        self._pulled = [[False] * m for _ in range(num_buckets)]
         self._last: list[Optional[list]] = [None] * num_buckets  # [arm index, log cost, t_end, by_batch]
 
     def _mean(self, cell: list, x: float) -> None:
@@ -120,7 +127,6 @@ class ArmValues:
             d = _log_cost_difference(pull.by_batch, last[3])
             a, b = sorted((last[0], i))
             self._mean(self._diff[bucket][a][b], d if b == i else -d)
-        self._pulled[bucket][i] = True
         self._last[bucket] = [i, log_cost, pull.t_end, dict(pull.by_batch)]
 
     def _log_costs(self, bucket: int) -> dict[int, float]:
@@ -156,22 +162,21 @@ class ArmValues:
         return {a: float(theta[col[a]] - theta[col[anchor]]) for a in nodes}
 
     def values(self, bucket: int) -> dict[int, float]:
-        """{k: estimated tokens per request-second} for the arms that have a cost (pulled, linked)."""
+        """{k: estimated tokens per request-second} for the arms that have a cost: the latest pull's
+        arm and those linked to it by pairs, all of them pulled (pairs form only between pulls)."""
         if self._last[bucket] is None:
             return {}
         base = self._last[bucket][1]
         return {self.arms[i]: self._acc[bucket][i][1] / math.exp(base + rel)
-                for i, rel in self._log_costs(bucket).items()
-                if self._pulled[bucket][i] and self._acc[bucket][i][0] > 0}
+                for i, rel in self._log_costs(bucket).items()}
 
     def state_dict(self) -> dict[str, Any]:
         """A copy: the policy keeps learning after a checkpoint takes it."""
-        return copy.deepcopy({"acc": self._acc, "diff": self._diff, "pulled": self._pulled, "last": self._last})
+        return copy.deepcopy({"acc": self._acc, "diff": self._diff, "last": self._last})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._acc = [[[int(n), float(v)] for n, v in b] for b in state["acc"]]
         self._diff = [[[[int(n), float(v)] for n, v in row] for row in b] for b in state["diff"]]
-        self._pulled = [[bool(p) for p in b] for b in state["pulled"]]
         self._last = [None if x is None else [int(x[0]), float(x[1]), float(x[2]),
                                               {int(b): (int(n), float(t)) for b, (n, t) in x[3].items()}]
                       for x in state["last"]]

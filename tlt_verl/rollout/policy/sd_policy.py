@@ -161,29 +161,28 @@ class AdaptiveSDPolicy:
         self.bandit.load_state_dict(state["bandit"])
         self.values.load_state_dict(state.get("values", {}))
         self._arm = [int(a) for a in state["arms"]]
-        # An older state's pull in progress (a list) is dropped: the bucket starts its pull again.
-        self._acc = [_PullSoFar(**{**a, "by_batch": {int(b): list(v) for b, v in a.get("by_batch", {}).items()}})
-                     if isinstance(a, Mapping) else None for a in state["acc"]]
+        # A pull in progress saved in another layout is dropped: the bucket starts its pull again.
+        keys = {f.name for f in fields(_PullSoFar)}
+        self._acc = [_PullSoFar(**{**a, "by_batch": {int(b): list(v) for b, v in a["by_batch"].items()}})
+                     if isinstance(a, Mapping) and set(a) == keys else None for a in state["acc"]]
 
 
 @dataclass
 class _PullSoFar:
     arm: int
-    steps: int = 0
-    request_steps: int = 0
-    request_seconds: float = 0.0
     tokens: list[int] = field(default_factory=list)  # what arms 0..arm emitted or would have
     t_start: float = 0.0
     t_end: float = 0.0
     by_batch: dict[int, list] = field(default_factory=dict)  # batch size -> [steps, seconds]
 
+    @property
+    def steps(self) -> int:
+        return sum(n for n, _ in self.by_batch.values())
+
     def add(self, m: StepMetric) -> None:
-        if not self.steps:
+        if not self.by_batch:
             self.tokens = [0] * (self.arm + 1)
             self.t_start = m.t - m.step_s
-        self.steps += 1
-        self.request_steps += m.batch
-        self.request_seconds += m.step_s * m.batch
         self.t_end = m.t
         at = self.by_batch.setdefault(m.batch, [0, 0.0])
         at[0] += 1
@@ -194,8 +193,7 @@ class _PullSoFar:
         self.tokens[self.arm] += m.emitted
 
     def pull(self) -> Pull:
-        return Pull(self.arm, self.request_steps, self.request_seconds, tuple(self.tokens), self.t_start, self.t_end,
-                    {b: (n, t) for b, (n, t) in self.by_batch.items()})
+        return Pull(self.arm, tuple(self.tokens), self.t_start, self.t_end, {b: (n, t) for b, (n, t) in self.by_batch.items()})
 
 
 def sd_policy_pulls(state: Mapping[str, Any]) -> int:
