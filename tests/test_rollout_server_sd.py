@@ -146,6 +146,8 @@ async def _scenario(spec: dict) -> dict:
         await server.wake_up(tags=["kv_cache"])
         await server.set_global_steps(5)
         res["sha_after"] = {"drafter": await checksum("drafter"), "target": await checksum("target")}
+        # The wake restored the drafter (in the background, before any generate asked for it).
+        res["woken"] = server.lifecycle_state()
         res["global_steps"] = server.global_steps
         res["after_reloads"] = await rollout(server, "again")
         # The level-2 sleep dropped the drafter: the first generate after the wake restored it.
@@ -246,6 +248,7 @@ def test_sleeping_server_refuses_generate_reload_and_push(scenario):
     assert "weights" in scenario["refused"]["reload"]
     # Weights woken, KV cache not yet: still no generate.
     assert "kv_cache released" in scenario["half_awake_generate"]
+    assert scenario["woken"] == {"released": [], "drafter_lost": False, "drafter_restores": 1}
     assert scenario["awake"] == {"released": [], "drafter_lost": False, "drafter_restores": 1}
 
 
