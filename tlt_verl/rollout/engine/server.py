@@ -250,7 +250,10 @@ class VllmServer:
             return {}
         from tlt_verl.rollout.engine.sd_loop import summarize
 
-        await self.sd_loop.poll()
+        # A stopped loop took the last records when its last request ended; polling again would
+        # queue behind whatever the engine runs now (the drafter restore, after verl's wake).
+        if self.sd_loop.running:
+            await self.sd_loop.poll()
         return {**summarize(self.sd_loop.take_records()), "arms": self.sd_loop.arms()}
 
     async def sd_catch_up_stats(self) -> dict[str, int]:
