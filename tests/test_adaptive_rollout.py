@@ -287,6 +287,41 @@ def test_paired_values_compare_costs_at_the_batch_sizes_both_pulls_ran():
     assert policy.bandit.best(0) == 3
 
 
+def test_paired_values_take_the_batch_fall_out_of_pulls_with_no_common_batch_size():
+    """In a wide bucket the batch falls at every step: a k=3 pull runs at batch 24..17, the k=2 pull
+    after it at 16..9, no batch size in common. A step costs batch^0.6 x (1 + 0.1 k), so at equal
+    batch k=3 is the better arm (2.9 tokens a request for 1.3 against 2.5 for 1.2); over mean step
+    costs k=2 looks 25% cheaper than it is and wins. The slope fitted within the pulls takes the
+    batch difference out: both arms priced as at the same batch, k=3 kept."""
+    def run(slope_fit: bool):
+        cfg = SDPolicyConfig(threshold=32, steps_per_pull=8,
+                             bandit=BanditConfig(bucket_edges=(1, 8), arms=(0, 2, 3)))
+        policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=32)
+        if not slope_fit:
+            policy.values.batch_slope = lambda bucket: 0.0
+        t = 0.0
+        for k, batches in ((3, range(24, 16, -1)), (2, range(16, 8, -1))):
+            policy._arm[1] = k
+            steps = []
+            for b in batches:
+                step_s = 0.001 * b ** 0.6 * (1 + 0.1 * k)
+                t += step_s
+                per_pos = (0.9 * b, 0.6 * b, 0.4 * b)
+                steps.append(StepMetric(batch=b, k=k, prefill_reqs=0, drafted_reqs=b, draft_tokens=k * b,
+                                        accepted_per_pos=per_pos, emitted=b + sum(per_pos[:k]), step_s=step_s, t=t))
+            policy.observe(steps)
+        return policy
+
+    policy = run(slope_fit=True)
+    assert policy.values.batch_slope(1) == pytest.approx(0.6, abs=1e-6)
+    est = policy.bandit.estimates(1)
+    # Tokens a request: k=3 2.9 (its pull), k=2 2.5 (implied by the k=3 pull and its own).
+    assert est[3][1] / est[2][1] == pytest.approx((2.9 / 1.3) / (2.5 / 1.2), rel=0.01)
+    assert policy.bandit.best(1) == 3
+    biased = run(slope_fit=False)
+    assert biased.bandit.best(1) == 2, biased.bandit.estimates(1)
+
+
 def _tail(values: str, per_pos: tuple[int, ...], rollouts: int, pulls: int = 40, force=None) -> list[int]:
     """Arms played in a bucket at batch 10 through rollouts whose step cost triples from the first pull
     to the last (contexts grow) and starts over at the next; a step of arm k costs (1 + 0.3 k) plain
