@@ -64,7 +64,7 @@ class SpotSection:
     # tlt.drafter.init gave it; SD still runs, nothing is captured), or auto: true where the rollout
     # replicas run on GPUs, false on CPU. A drained replica's GPU is idle; on CPU its core is not:
     # the replica still decoding, verl's agent loop and reward share the cores and memory system,
-    # and training there made the rollout 1.2-1.4x slower (bench/results/tlt_e2e.json, arm tlt_adaptive).
+    # and training there made the rollout 1.3-1.45x slower (bench/results/tlt_e2e{,_s27}.json, arm tlt_adaptive).
     train_drafter: Union[bool, str] = "auto"
     # Train the drafter in the long tail every N RL steps (1: every step).
     train_every_steps: int = 1
