@@ -20,9 +20,10 @@ one, where exploration alone accounts for about 4). So the value of arm k is spl
   step) compare their mean step costs less what the batch difference explains: log cost grows with
   log batch at a slope fitted, per bucket, to the steps within each pull (one arm, a few batch
   sizes, nearly the same contexts), clamped to [0, 1]. Without it the arm tried second in a falling
-  batch is credited with the fall (in one end-to-end run the 8+ bucket, batch 8-32 there, went from
-  k=3 to k=0 and then k=1 at step 11 of 20, and TLT's rollouts were no longer faster than stock
-  verl's). Per-arm log costs are the least-squares fit to those differences.
+  batch is credited with the fall. (In the end-to-end recipe's 8+ bucket the fitted slope came out
+  negative, so 0: there steps got slower as the batch fell, while finished requests' work shared
+  the two cores; that bucket still moved from k=3 to k=0 and k=1 in some runs.) Per-arm log costs
+  are the least-squares fit to those differences.
 
 An arm's value is A_k / C_k with every C taken at the latest pull's conditions (tokens per
 request-second, as the plain reward). Arms with no pull of their own have no cost and no value.
