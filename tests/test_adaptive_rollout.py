@@ -252,7 +252,9 @@ def test_paired_values_price_smaller_arms_from_the_incumbents_drafts():
     assert est[1] == (1, pytest.approx(14 / 8 / 0.010)) and est[3] == (1, pytest.approx(13 / 4 / 0.020))
     pull(0, (0, 0, 0), 0.005, 10.0)      # k=0 after a gap: counted, but not compared with anything
     est = policy.bandit.estimates(0)
-    assert est[0] == (1, pytest.approx(1 / 0.005)) and est[1][1] is None and est[3][1] is None
+    # k=1 and k=3 keep the values of their own group (priced at k=1's pull, the group's latest).
+    assert est[0] == (1, pytest.approx(1 / 0.005)) and est[1][1] == pytest.approx(14 / 8 / 0.010)
+    assert est[3][1] == pytest.approx(13 / 4 / 0.020)
     assert policy.bandit.best(0) == 0
     pull(3, (4, 4, 4), 0.012, 10.02)     # linked to k=0 now; k=1 stays linked through its old pair
     est = policy.bandit.estimates(0)
@@ -320,6 +322,38 @@ def test_paired_values_take_the_batch_fall_out_of_pulls_with_no_common_batch_siz
     assert policy.bandit.best(1) == 3
     biased = run(slope_fit=False)
     assert biased.bandit.best(1) == 2, biased.bandit.estimates(1)
+
+
+def test_paired_values_keep_arms_valued_across_a_rollout_boundary():
+    """The batch-1 bucket sees a few pulls at the end of each rollout. k=3 and k=2 are compared in
+    one tail (k=3 the better); the next tail starts with an exploring pull of k=0, which nothing
+    links to them. Were only the arms linked to the latest pull valued, k=0 would be the bucket's
+    only valued arm and its greedy one; k=3 keeps its value from its own group and stays greedy."""
+    def run(keep_groups: bool):
+        cfg = SDPolicyConfig(threshold=8, steps_per_pull=2, bandit=BanditConfig(bucket_edges=(1, 2), arms=(0, 1, 2, 3)))
+        policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=8)
+        if not keep_groups:
+            latest_only = policy.values._anchors
+            policy.values._anchors = lambda bucket: latest_only(bucket)[:1]
+
+        def pull(k, step_s, t0):
+            per_pos = (0.9, 0.8, 0.7)
+            m = StepMetric(batch=1, k=k, prefill_reqs=0, drafted_reqs=1 if k else 0, draft_tokens=k,
+                           accepted_per_pos=per_pos, emitted=1 + sum(per_pos[:k]), step_s=step_s, t=t0)
+            policy._arm[0] = k
+            policy.observe([m, StepMetric(**{**vars(m), "t": t0 + step_s})])
+
+        pull(3, 0.0060, 0.0)     # 3.4 tokens for 6 ms
+        pull(2, 0.0055, 0.02)    # 2.7 tokens for 5.5 ms
+        pull(0, 0.0040, 30.0)    # the next rollout: 1 token for 4 ms
+        return policy
+
+    policy = run(keep_groups=True)
+    est = policy.bandit.estimates(0)
+    assert est[3][1] == pytest.approx(3.4 / 0.006) and est[2][1] == pytest.approx(2.7 / 0.0055)
+    assert est[0][1] == pytest.approx(1 / 0.004) and est[1][1] is None   # never pulled: no cost
+    assert policy.bandit.best(0) == 3
+    assert run(keep_groups=False).bandit.best(0) == 0
 
 
 def _tail(values: str, per_pos: tuple[int, ...], rollouts: int, pulls: int = 40, force=None) -> list[int]:

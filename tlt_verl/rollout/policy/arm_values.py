@@ -27,6 +27,11 @@ one, where exploration alone accounts for about 4). So the value of arm k is spl
 
 An arm's value is A_k / C_k with every C taken at the latest pull's conditions (tokens per
 request-second, as the plain reward). Arms with no pull of their own have no cost and no value.
+Arms not linked to the latest pull by pairs (their pulls sat across rollout boundaries from it) keep
+a value at the conditions of their own group's latest pull: stale, but without it the first pull of
+a new rollout's tail, often an exploring one, was the bucket's only valued arm and so its greedy
+one, and the bucket climbed back one exploring pull at a time (seen end to end: a replica's batch-1
+bucket on k=0, k=1, then k=2 for most of a run, k=3 unvalued after two pulls).
 Against per-pull rewards on the long-tail bench, side by side in eight runs: no difference beyond
 the bench's noise (README, "Adaptive SD in the rollout").
 """
@@ -130,6 +135,7 @@ class ArmValues:
         self._diff = [[[[0, 0.0] for _ in range(m)] for _ in range(m)] for _ in range(num_buckets)]  # i<j: log C_j - log C_i
         self._last: list[Optional[list]] = [None] * num_buckets  # [arm index, log cost, t_end, by_batch]
         self._moments = [[0.0, 0.0] for _ in range(num_buckets)]  # within-pull Sxy, Sxx of log cost on log batch
+        self._latest: list[list[Optional[list]]] = [[None] * m for _ in range(num_buckets)]  # per arm: [log cost, t_end]
 
     def _mean(self, cell: list, x: float) -> None:
         cell[0] += 1
@@ -154,15 +160,15 @@ class ArmValues:
             a, b = sorted((last[0], i))
             self._mean(self._diff[bucket][a][b], d if b == i else -d)
         self._last[bucket] = [i, log_cost, pull.t_end, dict(pull.by_batch)]
+        self._latest[bucket][i] = [log_cost, pull.t_end]
 
     def batch_slope(self, bucket: int) -> float:
         """d log(step cost) / d log(batch) in `bucket`, from the steps within its pulls; 0 until they vary."""
         sxy, sxx = self._moments[bucket]
         return min(1.0, max(0.0, sxy / sxx)) if sxx > 0 else 0.0
 
-    def _log_costs(self, bucket: int) -> dict[int, float]:
-        """Arm index -> log cost relative to the latest pull's arm, for the arms linked to it by pairs."""
-        anchor = self._last[bucket][0]
+    def _log_costs(self, bucket: int, anchor: int) -> dict[int, float]:
+        """Arm index -> log cost relative to arm index `anchor`, for the arms linked to it by pairs."""
         m = len(self.arms)
         edges = [(a, b, n, d) for a in range(m) for b in range(a + 1, m)
                  for n, d in [self._diff[bucket][a][b]] if n > 0]
@@ -192,18 +198,28 @@ class ArmValues:
         theta = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)[0]
         return {a: float(theta[col[a]] - theta[col[anchor]]) for a in nodes}
 
+    def _anchors(self, bucket: int) -> list[int]:
+        """Pulled arm indices, latest pull first: each group of arms linked by pairs is priced at
+        the first of its members here (its latest pull's conditions)."""
+        pulled = [i for i, x in enumerate(self._latest[bucket]) if x is not None]
+        return sorted(pulled, key=lambda i: -self._latest[bucket][i][1])
+
     def values(self, bucket: int) -> dict[int, float]:
-        """{k: estimated tokens per request-second} for the arms that have a cost: the latest pull's
-        arm and those linked to it by pairs, all of them pulled (pairs form only between pulls)."""
-        if self._last[bucket] is None:
-            return {}
-        base = self._last[bucket][1]
-        return {self.arms[i]: self._acc[bucket][i][1] / math.exp(base + rel)
-                for i, rel in self._log_costs(bucket).items()}
+        """{k: estimated tokens per request-second} for every pulled arm: the latest pull's arm and
+        those linked to it by pairs at the latest conditions, any other group at its own latest."""
+        out: dict[int, float] = {}
+        for anchor in self._anchors(bucket):
+            if self.arms[anchor] in out:
+                continue
+            base = self._latest[bucket][anchor][0]
+            for i, rel in self._log_costs(bucket, anchor).items():
+                out[self.arms[i]] = self._acc[bucket][i][1] / math.exp(base + rel)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """A copy: the policy keeps learning after a checkpoint takes it."""
-        return copy.deepcopy({"acc": self._acc, "diff": self._diff, "last": self._last, "moments": self._moments})
+        return copy.deepcopy({"acc": self._acc, "diff": self._diff, "last": self._last, "moments": self._moments,
+                              "latest": self._latest})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._acc = [[[int(n), float(v)] for n, v in b] for b in state["acc"]]
@@ -213,6 +229,10 @@ class ArmValues:
                       for x in state["last"]]
         # States saved before the batch slope existed start it over.
         self._moments = [[float(a), float(b)] for a, b in state.get("moments") or [[0.0, 0.0]] * len(self._acc)]
+        # Older states kept only the latest pull: the other arms get a cost again at their next pull.
+        latest = state.get("latest") or [[[x[1], x[2]] if x is not None and j == x[0] else None
+                                          for j in range(len(self.arms))] for x in self._last]
+        self._latest = [[None if c is None else [float(c[0]), float(c[1])] for c in b] for b in latest]
 
 
 # sd.values -> how a bucket's arms are valued from its pulls.
