@@ -133,7 +133,7 @@ class ArmValues:
         m = len(self.arms)
         self._acc = [[[0, 0.0] for _ in range(m)] for _ in range(num_buckets)]      # [n, mean A]
         self._diff = [[[[0, 0.0] for _ in range(m)] for _ in range(m)] for _ in range(num_buckets)]  # i<j: log C_j - log C_i
-        self._last: list[Optional[list]] = [None] * num_buckets  # [arm index, log cost, t_end, by_batch]
+        self._last: list[Optional[list]] = [None] * num_buckets  # [arm index, by_batch] of the latest pull
         self._moments = [[0.0, 0.0] for _ in range(num_buckets)]  # within-pull Sxy, Sxx of log cost on log batch
         self._latest: list[list[Optional[list]]] = [[None] * m for _ in range(num_buckets)]  # per arm: [log cost, t_end]
 
@@ -155,11 +155,11 @@ class ArmValues:
         self._moments[bucket][0] += sxy
         self._moments[bucket][1] += sxx
         last = self._last[bucket]
-        if last is not None and last[0] != i and pull.t_start - last[2] <= ROLLOUT_GAP_S:
-            d = _log_cost_difference(pull.by_batch, last[3], self.batch_slope(bucket))
+        if last is not None and last[0] != i and pull.t_start - self._latest[bucket][last[0]][1] <= ROLLOUT_GAP_S:
+            d = _log_cost_difference(pull.by_batch, last[1], self.batch_slope(bucket))
             a, b = sorted((last[0], i))
             self._mean(self._diff[bucket][a][b], d if b == i else -d)
-        self._last[bucket] = [i, log_cost, pull.t_end, dict(pull.by_batch)]
+        self._last[bucket] = [i, dict(pull.by_batch)]
         self._latest[bucket][i] = [log_cost, pull.t_end]
 
     def batch_slope(self, bucket: int) -> float:
@@ -224,15 +224,15 @@ class ArmValues:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._acc = [[[int(n), float(v)] for n, v in b] for b in state["acc"]]
         self._diff = [[[[int(n), float(v)] for n, v in row] for row in b] for b in state["diff"]]
-        self._last = [None if x is None else [int(x[0]), float(x[1]), float(x[2]),
-                                              {int(b): (int(n), float(t)) for b, (n, t) in x[3].items()}]
+        # States saved before the per-arm costs existed: `last` was [arm, log cost, t_end, by_batch]
+        # and the latest pull's cost the only one kept (the other arms get one at their next pull).
+        latest = state.get("latest") or [[[x[1], x[2]] if x is not None and j == x[0] else None
+                                          for j in range(len(self.arms))] for x in state["last"]]
+        self._latest = [[None if c is None else [float(c[0]), float(c[1])] for c in b] for b in latest]
+        self._last = [None if x is None else [int(x[0]), {int(b): (int(n), float(t)) for b, (n, t) in x[-1].items()}]
                       for x in state["last"]]
         # States saved before the batch slope existed start it over.
         self._moments = [[float(a), float(b)] for a, b in state.get("moments") or [[0.0, 0.0]] * len(self._acc)]
-        # Older states kept only the latest pull: the other arms get a cost again at their next pull.
-        latest = state.get("latest") or [[[x[1], x[2]] if x is not None and j == x[0] else None
-                                          for j in range(len(self.arms))] for x in self._last]
-        self._latest = [[None if c is None else [float(c[0]), float(c[1])] for c in b] for b in latest]
 
 
 # sd.values -> how a bucket's arms are valued from its pulls.
