@@ -25,14 +25,19 @@ from pathlib import Path
 from bench import portable, portable_settings
 from tlt_verl.launch.compare import (FIRST_MEASURED_STEP, format_comparison, measured, plot_arms, ratio,
                                      run_arms, tlt_vs_baseline)
-from tlt_verl.launch.runner import REPO, RunConfig
+from tlt_verl.launch.runner import REPO, RunConfig, read_steps
 
 ARMS = {
     "baseline": {"tlt": False},
     "tlt": {"tlt": True},
     "tlt_frozen_drafter": {"tlt": True, "overrides": ["+tlt.spot.train_drafter=false"]},
     "tlt_adaptive": {"tlt": True, "overrides": ["+tlt.spot.train_drafter=true"]},
+    # Not a default arm: k=3 at every batch size (the bandit starts on its largest arm and, with no
+    # exploration, never leaves it), to tell what the policy costs from what the engine can give.
+    "tlt_fixed_k3": {"tlt": True, "overrides": ["+tlt.sd.bandit.arms=[2,3]", "+tlt.sd.bandit.epsilon=0",
+                                                "+tlt.sd.bandit.min_epsilon=0"]},
 }
+DEFAULT_ARMS = ("baseline", "tlt", "tlt_frozen_drafter", "tlt_adaptive")
 FROZEN = "tlt_frozen_drafter"
 
 
@@ -90,16 +95,41 @@ def pooled(repeats: list[dict]) -> dict:
     return out
 
 
+PHASES = {"step": "step_s", "rollout": "gen_s", "crowded_rollout": "rollout_crowded_s", "tail_rollout": "rollout_tail_s"}
+
+
+def baseline_over_arms(repeats: list[dict]) -> dict:
+    """Every other arm against the baseline, pooled: step, rollout, and the rollout's two phases
+    (timeline.crowded_seconds: many requests in flight, then the long tail)."""
+    arms = {name: [s for r in repeats for s in measured(r[name]["steps"])] for name in repeats[0]}
+    if "baseline" not in arms:
+        return {}
+    b = arms["baseline"]
+    return {name: {phase: ratio(b, steps, key, first=0) for phase, key in PHASES.items()
+                   if all(key in s for s in b + steps)}
+            for name, steps in arms.items() if name != "baseline"}
+
+
+def load_run(d: Path, parser: argparse.ArgumentParser) -> dict:
+    """A finished arm's result as `run` returned it, its steps read again from its files."""
+    if not (d / "steps.json").exists():
+        parser.error(f"--from-runs: {d} has no steps.json (that run did not finish)")
+    return {"summary": json.loads((d / "steps.json").read_text())["summary"], "steps": read_steps(d)[0]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--drafter", default="warm",
                    help="tlt.drafter.init of both TLT arms: warm (the cached offline-trained drafter), scratch, or a folder")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)} "
-                   "(on a GPU, where tlt trains its drafter, tlt_adaptive repeats it)")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated subset of {','.join(ARMS)} "
+                   "(on a GPU, where tlt trains its drafter, tlt_adaptive repeats it; tlt_fixed_k3 plays k=3 "
+                   "at every batch size)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "tlt_e2e.json"))
     p.add_argument("--repeats", type=int, default=2, help="runs of every arm, in alternating order")
     p.add_argument("--run-dir", default=None, help="where the runs go (default: runs/tlt_e2e-<time>)")
+    p.add_argument("--from-runs", default=None, metavar="DIR",
+                   help="write the report from a finished bench's runs (DIR/r1/<arm>, ...) instead of running them")
     args = p.parse_args(argv)
     names = args.arms.split(",")
     unknown = sorted(set(names) - set(ARMS))
@@ -111,13 +141,16 @@ def main(argv=None) -> int:
     runs = []
     for r in range(args.repeats):
         order = names if r % 2 == 0 else names[::-1]
+        if args.from_runs:
+            runs.append({n: load_run(Path(args.from_runs) / f"r{r + 1}" / n, p) for n in order})
+            continue
         print(f"tlt-verl: === repeat {r + 1}/{args.repeats}: {', '.join(order)} ===", flush=True)
         runs.append(run_arms(base, {n: ARMS[n] for n in order}, run_dir / f"r{r + 1}"))
 
     report = {"settings": portable_settings({"steps": args.steps, "drafter_init": args.drafter, "arms": names,
                                              "repeats": args.repeats, "first_measured_step": FIRST_MEASURED_STEP}),
               "measured_steps": [s["step"] for s in measured(next(iter(runs[0].values()))["steps"])],
-              **pooled(runs), "repeats": []}
+              **pooled(runs), "baseline_over_arm": baseline_over_arms(runs), "repeats": []}
     for r, results in enumerate(runs):
         rep = summary(results)
         if "tlt_vs_baseline" in rep:
@@ -132,6 +165,8 @@ def main(argv=None) -> int:
                        for n, x in results.items()}
         report["repeats"].append(rep)
     print("tlt-verl: pooled over repeats: " + ", ".join(f"{k} {v:.2f}x" for k, v in pooled(runs).items()))
+    for name, r in report["baseline_over_arm"].items():
+        print(f"tlt-verl: pooled, baseline over {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
     results = runs[0]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -27,6 +27,25 @@ def test_ratios_use_steps_five_to_last():
     assert c["drafter_critical_path_share"] == pytest.approx(0.02)
     assert "step time 2.00x, rollout time 4.00x" in format_comparison(c)
     assert ratio(base, tlt, "step_s", first=1) == pytest.approx(430 / 19)
+    assert c["rollout_phase_ratio"] == {}  # runs without request timelines have no phases
+
+
+def test_rollout_phase_ratios_split_the_window():
+    base = _steps([10] * 6, [8] * 6, [0.1] * 6)
+    tlt = _steps([6] * 6, [4] * 6, [0.1] * 6, crit=0.0)
+    for s in base:
+        s.update(rollout_crowded_s=1.0, rollout_tail_s=6.0)
+    for s in tlt:
+        s.update(rollout_crowded_s=1.0, rollout_tail_s=2.0)
+    c = tlt_vs_baseline({"tlt": {"steps": tlt}, "baseline": {"steps": base}})
+    assert c["rollout_phase_ratio"] == pytest.approx({"crowded": 1.0, "tail": 3.0})
+    assert "crowded rollout 1.00x | tail rollout 3.00x" in format_comparison(c)
+    from bench.tlt_e2e import baseline_over_arms
+
+    slow = _steps([12] * 6, [6] * 6, [0.1] * 6, crit=0.0)  # an arm without phases gets none
+    r = baseline_over_arms([{"baseline": {"steps": base}, "tlt": {"steps": tlt}, "tlt_fixed_k3": {"steps": slow}}] * 2)
+    assert r == {"tlt": pytest.approx({"step": 10 / 6, "rollout": 2.0, "crowded_rollout": 1.0, "tail_rollout": 3.0}),
+                 "tlt_fixed_k3": pytest.approx({"step": 10 / 12, "rollout": 8 / 6})}
 
 
 def test_reward_gap_pairs_steps():

@@ -21,6 +21,16 @@ def test_idle_fraction_counts_time_a_replica_sat_drained():
     assert w.length_stats()["max"] == 400
 
 
+def test_seconds_in_flight_split_the_window_by_how_many_requests_run():
+    # in flight: 0-1 s one, 1-2 two, 2-3 three, 3-4 two, 4-5 one, 5-6 two, 6-7 one
+    events = [_ev(0, 0, 0.0, 4.0, 9), _ev(0, 0, 1.0, 3.0, 9), _ev(1, 0, 2.0, 6.0, 9), _ev(1, 0, 5.0, 7.0, 9)]
+    w = timeline.rollout_windows(events)[1]
+    assert [w.seconds_in_flight(n) for n in (1, 2, 3, 4)] == pytest.approx([7.0, 4.0, 1.0, 0.0])
+    assert w.crowded_seconds() == pytest.approx(7.0)  # a quarter of 4 requests: one
+    many = [_ev(0, 0, 0.0, 1.0, 5) for _ in range(7)] + [_ev(1, 0, 0.0, 9.0, 500)]
+    assert timeline.rollout_windows(many)[1].crowded_seconds() == pytest.approx(1.0)  # 2+ of 8 until t=1
+
+
 def test_windows_are_keyed_by_trainer_step():
     events = [_ev(0, 0, 0, 1, 5), _ev(0, 1, 5, 6, 5), _ev(1, 1, 5, 7, 5)]
     ws = timeline.rollout_windows(events)

@@ -63,6 +63,9 @@ def tlt_vs_baseline(results: dict[str, dict], tlt: str = "tlt", baseline: str = 
         "reward": {baseline: [s["reward_mean"] for s in b], tlt: [s["reward_mean"] for s in t],
                    "gap": reward_gap(t, b)},
         "drafter_critical_path_share": float(np.mean(crit)) if crit else 0.0,
+        # The rollout window in two phases (timeline.crowded_seconds): where its time is won or lost.
+        "rollout_phase_ratio": {phase: ratio(b, t, f"rollout_{phase}_s") for phase in ("crowded", "tail")
+                                if all(f"rollout_{phase}_s" in s for s in measured(b) + measured(t))},
     }
 
 
@@ -71,7 +74,8 @@ def format_comparison(c: dict) -> str:
     return (f"tlt-verl: baseline/TLT over steps {c['measured_steps'][0]}-{c['measured_steps'][-1]}:"
             f" step time {c['step_time_ratio']:.2f}x, rollout time {c['rollout_time_ratio']:.2f}x"
             f" | reward TLT-baseline {g['mean_diff']:+.3f} (s.e. {g['stderr']:.3f})"
-            f" | drafter on the critical path {c['drafter_critical_path_share']:.1%} of step time")
+            f" | drafter on the critical path {c['drafter_critical_path_share']:.1%} of step time"
+            + "".join(f" | {phase} rollout {r:.2f}x" for phase, r in c.get("rollout_phase_ratio", {}).items()))
 
 
 def plot_arms(results: dict[str, dict], png: Path, title: str) -> Path:

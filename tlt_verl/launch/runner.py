@@ -87,6 +87,8 @@ def step_record(metrics: dict, window: Optional[timeline.RolloutWindow], replica
                       "critical_path_s": metrics.get("tlt/drafter_critical_path_s", 0.0)}
     if window is not None:
         rec["rollout_window_s"] = window.seconds
+        rec["rollout_crowded_s"] = window.crowded_seconds()
+        rec["rollout_tail_s"] = window.seconds - rec["rollout_crowded_s"]
         rec["replica_idle_fraction"] = window.idle_fraction(replicas)
         rec["response_length"] = window.length_stats()
     return rec
@@ -155,6 +157,14 @@ def _warm_drafter(root: Path, quiet: bool) -> Path:
     return Path(lines[-1])
 
 
+def read_steps(run_dir: Path) -> tuple[list[dict], list[int]]:
+    """A finished run's per-step records (verl's metrics and the rollout timeline) and its replicas."""
+    events = timeline.load_events(run_dir / "timeline")
+    windows, reps = timeline.rollout_windows(events), timeline.replicas(events)
+    metrics = _read_metrics(run_dir / "metrics.jsonl")
+    return [dict(step=s, **step_record(metrics[s], windows.get(s), reps)) for s in sorted(metrics)], reps
+
+
 def run(cfg: RunConfig) -> dict:
     from tlt_verl.task.prepare import prepare
 
@@ -208,10 +218,7 @@ def run(cfg: RunConfig) -> dict:
         detail = "\n".join(f"  {ln}" for ln in error_lines(log_path))
         raise RunError(f"verl exited with code {rc}; see {log_path}\n{detail}")
 
-    events = timeline.load_events(tl_dir)
-    windows, reps = timeline.rollout_windows(events), timeline.replicas(events)
-    metrics = _read_metrics(metrics_path)
-    steps = [dict(step=s, **step_record(metrics[s], windows.get(s), reps)) for s in sorted(metrics)]
+    steps, reps = read_steps(run_dir)
     summary = summarize(steps)
     summary.update(recipe=recipe.stem, run_dir=str(run_dir), wall_s=time.time() - t0,
                    launch_to_exit_s=time.time() - t_launch, replicas=len(reps))

@@ -21,6 +21,7 @@ class RolloutWindow:
     end: float
     replica_last_end: dict[int, float] = field(default_factory=dict)
     lengths: list[int] = field(default_factory=list)
+    spans: list[tuple[float, float]] = field(default_factory=list)  # each request's (start, end)
 
     @property
     def seconds(self) -> float:
@@ -32,6 +33,22 @@ class RolloutWindow:
             return 0.0
         idle = [(self.end - self.replica_last_end.get(r, self.start)) / self.seconds for r in replicas]
         return float(np.mean(idle))
+
+    def seconds_in_flight(self, at_least: int) -> float:
+        """Seconds of the window with at least `at_least` requests in flight (all replicas)."""
+        edges = sorted([(t0, 1) for t0, _ in self.spans] + [(t1, -1) for _, t1 in self.spans])
+        total, running, since = 0.0, 0, 0.0
+        for t, d in edges:
+            if running >= at_least:
+                total += t - since
+            running += d
+            since = t
+        return total
+
+    def crowded_seconds(self) -> float:
+        """Seconds with a quarter or more of the rollout's requests in flight: the start, where
+        every replica decodes a large batch (SD pays least there); the rest is the long tail."""
+        return self.seconds_in_flight(max(1, len(self.spans) // 4))
 
     def length_stats(self) -> dict[str, float]:
         a = np.asarray(self.lengths)
@@ -58,6 +75,7 @@ def rollout_windows(events: list[dict]) -> dict[int, RolloutWindow]:
         w.start, w.end = min(w.start, e["start"]), max(w.end, e["end"])
         w.replica_last_end[e["replica"]] = max(w.replica_last_end.get(e["replica"], 0.0), e["end"])
         w.lengths.append(e["n_tokens"])
+        w.spans.append((e["start"], e["end"]))
     return windows
 
 
