@@ -356,6 +356,38 @@ def test_paired_values_keep_arms_valued_across_a_rollout_boundary():
     assert run(keep_groups=False).bandit.best(0) == 0
 
 
+@pytest.mark.parametrize("values", ["paired", "pull"])
+def test_a_burst_on_the_shared_cores_does_not_decide_the_arm(values):
+    """Batch 1, k=3 (3.4 tokens a step for 6.0 ms) against k=2 (2.7 for 5.8 ms): k=3 is the better
+    arm. One step of the k=3 pull took 180 ms (another process's burst); costed as it ran, the
+    pull's mean step is 27.75 ms and k=2 wins; costed as the pull's median step, k=3 keeps its value."""
+    def run():
+        cfg = SDPolicyConfig(threshold=8, steps_per_pull=8, values=values,
+                             bandit=BanditConfig(bucket_edges=(1, 2), arms=(0, 2, 3)))
+        policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=8)
+        t = 0.0
+        for k, times in ((3, [0.006] * 3 + [0.180] + [0.006] * 4), (2, [0.0058] * 8)):
+            policy._arm[0] = k
+            steps = []
+            for step_s in times:
+                t += step_s
+                steps.append(_step(1, k, 2.8 if k == 2 else 3.4, step_s, t=t))
+            policy.observe(steps)
+        return policy
+
+    from tlt_verl.rollout.policy import sd_policy
+
+    bandit = run().bandit
+    # k=2's tokens a step: its own 2.8 (and, valued in pairs, the 3.0 the k=3 pull implies)
+    a2 = 2.8 if values == "pull" else (3.0 + 2.8) / 2
+    assert bandit.estimates(0)[3][1] == pytest.approx(3.4 / 0.006)
+    assert bandit.estimates(0)[2][1] == pytest.approx(a2 / 0.0058) and bandit.best(0) == 3
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sd_policy, "STEP_OUTLIER", float("inf"))
+        burst = run().bandit
+    assert burst.estimates(0)[3][1] == pytest.approx(3.4 / (0.222 / 8)) and burst.best(0) == 2
+
+
 def _tail(values: str, per_pos: tuple[int, ...], rollouts: int, pulls: int = 40, force=None) -> list[int]:
     """Arms played in a bucket at batch 10 through rollouts whose step cost triples from the first pull
     to the last (contexts grow) and starts over at the next; a step of arm k costs (1 + 0.3 k) plain

@@ -22,6 +22,8 @@ import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Optional
 
+import numpy as np
+
 from tlt_verl.rollout.policy.arm_values import ROLLOUT_GAP_S, VALUES, Pull
 from tlt_verl.rollout.policy.bandit import BanditConfig, BucketedEpsilonGreedy
 
@@ -163,8 +165,17 @@ class AdaptiveSDPolicy:
         self._arm = [int(a) for a in state["arms"]]
         # A pull in progress saved in another layout is dropped: the bucket starts its pull again.
         keys = {f.name for f in fields(_PullSoFar)}
-        self._acc = [_PullSoFar(**{**a, "by_batch": {int(b): list(v) for b, v in a["by_batch"].items()}})
-                     if isinstance(a, Mapping) and set(a) == keys else None for a in state["acc"]]
+        self._acc = [_PullSoFar(**a) if isinstance(a, Mapping) and set(a) == keys else None for a in state["acc"]]
+
+
+# A step slower than this many times its pull's median step is costed as the median step: its time
+# was another process's burst on the shared cores, not the arm's (its tokens still count). A cap
+# at this factor instead would still leave one such step in eight adding a quarter to the pull's
+# cost. Measured in a 6-step TLT run on CPU: batch-1 steps at k=3 had a median of 6.0 ms, a mean
+# of 8.3 ms and a maximum of 183 ms; one such step makes its pull's mean cost 4x, and in 20-step
+# runs the pairs such pulls formed had a replica's batch-1 bucket play k=2 in 25 of 27 pulls,
+# where fixed k=3 was the faster arm. Within a pull the batch moves the cost far less than 3x.
+STEP_OUTLIER = 3.0
 
 
 @dataclass
@@ -173,27 +184,30 @@ class _PullSoFar:
     tokens: list[int] = field(default_factory=list)  # what arms 0..arm emitted or would have
     t_start: float = 0.0
     t_end: float = 0.0
-    by_batch: dict[int, list] = field(default_factory=dict)  # batch size -> [steps, seconds]
+    step_s: list[list] = field(default_factory=list)  # [batch size, seconds] of each step
 
     @property
     def steps(self) -> int:
-        return sum(n for n, _ in self.by_batch.values())
+        return len(self.step_s)
 
     def add(self, m: StepMetric) -> None:
-        if not self.by_batch:
+        if not self.step_s:
             self.tokens = [0] * (self.arm + 1)
             self.t_start = m.t - m.step_s
         self.t_end = m.t
-        at = self.by_batch.setdefault(m.batch, [0, 0.0])
-        at[0] += 1
-        at[1] += m.step_s
+        self.step_s.append([m.batch, m.step_s])
         # Arm k' < arm: every request emits its verified token plus its accepted drafts before k'.
         for k in range(self.arm):
             self.tokens[k] += m.batch + sum(m.accepted_per_pos[:k])
         self.tokens[self.arm] += m.emitted
 
     def pull(self) -> Pull:
-        return Pull(self.arm, tuple(self.tokens), self.t_start, self.t_end, {b: (n, t) for b, (n, t) in self.by_batch.items()})
+        median = float(np.median([t for _, t in self.step_s]))
+        by_batch: dict[int, tuple[int, float]] = {}
+        for b, t in self.step_s:
+            n, total = by_batch.get(b, (0, 0.0))
+            by_batch[b] = (n + 1, total + (t if t <= STEP_OUTLIER * median else median))
+        return Pull(self.arm, tuple(self.tokens), self.t_start, self.t_end, by_batch)
 
 
 def sd_policy_pulls(state: Mapping[str, Any]) -> int:
