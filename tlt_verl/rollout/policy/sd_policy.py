@@ -172,9 +172,10 @@ class AdaptiveSDPolicy:
 # was another process's burst on the shared cores, not the arm's (its tokens still count). A cap
 # at this factor instead would still leave one such step in eight adding a quarter to the pull's
 # cost. Measured in a 6-step TLT run on CPU: batch-1 steps at k=3 had a median of 6.0 ms, a mean
-# of 8.3 ms and a maximum of 183 ms; one such step makes its pull's mean cost 4x, and in 20-step
-# runs the pairs such pulls formed had a replica's batch-1 bucket play k=2 in 25 of 27 pulls,
-# where fixed k=3 was the faster arm. Within a pull the batch moves the cost far less than 3x.
+# of 8.3 ms and a maximum of 183 ms; one such step makes its pull's mean cost 4x. In 20-step runs
+# without this rule a replica's batch-1 bucket played k=2 in 25 of 27 pulls and fixed k=3 ran the
+# tail 1.07-1.10x faster than the policy; with it, 0.94-1.01x (bench/results/tlt_e2e_fixed_k3.json,
+# tlt_e2e.json). Within a pull the batch moves the cost far less than 3x.
 STEP_OUTLIER = 3.0
 
 
