@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from bench import portable, portable_settings
-from tlt_verl.launch.compare import (FIRST_MEASURED_STEP, format_comparison, measured, plot_arms, ratio,
-                                     run_arms, tlt_vs_baseline)
+from tlt_verl.launch.compare import (FIRST_MEASURED_STEP, format_comparison, measured, phase_ratios, plot_arms,
+                                     ratio, run_arms, tlt_vs_baseline)
 from tlt_verl.launch.runner import REPO, RunConfig, read_steps
 
 ARMS = {
@@ -80,9 +80,14 @@ def summary(results: dict) -> dict:
     return out
 
 
+def _pooled_steps(repeats: list[dict]) -> dict[str, list[dict]]:
+    """Each arm's measured steps of all repeats together."""
+    return {name: [s for r in repeats for s in measured(r[name]["steps"])] for name in repeats[0]}
+
+
 def pooled(repeats: list[dict]) -> dict:
     """The ratios over the measured steps of all repeats together (each arm's steps pooled)."""
-    arms = {name: [s for r in repeats for s in measured(r[name]["steps"])] for name in repeats[0]}
+    arms = _pooled_steps(repeats)
     out: dict = {}
     if {"tlt", "baseline"} <= set(arms):
         t, b = arms["tlt"], arms["baseline"]
@@ -95,18 +100,15 @@ def pooled(repeats: list[dict]) -> dict:
     return out
 
 
-PHASES = {"step": "step_s", "rollout": "gen_s", "crowded_rollout": "rollout_crowded_s", "tail_rollout": "rollout_tail_s"}
-
-
 def baseline_over_arms(repeats: list[dict]) -> dict:
     """Every other arm against the baseline, pooled: step, rollout, and the rollout's two phases
     (timeline.crowded_seconds: many requests in flight, then the long tail)."""
-    arms = {name: [s for r in repeats for s in measured(r[name]["steps"])] for name in repeats[0]}
+    arms = _pooled_steps(repeats)
     if "baseline" not in arms:
         return {}
     b = arms["baseline"]
-    return {name: {phase: ratio(b, steps, key, first=0) for phase, key in PHASES.items()
-                   if all(key in s for s in b + steps)}
+    return {name: {"step": ratio(b, steps, "step_s", first=0), "rollout": ratio(b, steps, "gen_s", first=0),
+                   **{f"{p}_rollout": r for p, r in phase_ratios(b, steps, first=0).items()}}
             for name, steps in arms.items() if name != "baseline"}
 
 
@@ -147,10 +149,11 @@ def main(argv=None) -> int:
         print(f"tlt-verl: === repeat {r + 1}/{args.repeats}: {', '.join(order)} ===", flush=True)
         runs.append(run_arms(base, {n: ARMS[n] for n in order}, run_dir / f"r{r + 1}"))
 
+    ratios = pooled(runs)
     report = {"settings": portable_settings({"steps": args.steps, "drafter_init": args.drafter, "arms": names,
                                              "repeats": args.repeats, "first_measured_step": FIRST_MEASURED_STEP}),
               "measured_steps": [s["step"] for s in measured(next(iter(runs[0].values()))["steps"])],
-              **pooled(runs), "baseline_over_arm": baseline_over_arms(runs), "repeats": []}
+              **ratios, "baseline_over_arm": baseline_over_arms(runs), "repeats": []}
     for r, results in enumerate(runs):
         rep = summary(results)
         if "tlt_vs_baseline" in rep:
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
         rep["arms"] = {n: {"summary": {k: portable(v) for k, v in x["summary"].items()}, "steps": x["steps"]}
                        for n, x in results.items()}
         report["repeats"].append(rep)
-    print("tlt-verl: pooled over repeats: " + ", ".join(f"{k} {v:.2f}x" for k, v in pooled(runs).items()))
+    print("tlt-verl: pooled over repeats: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     for name, r in report["baseline_over_arm"].items():
         print(f"tlt-verl: pooled, baseline over {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
     results = runs[0]

@@ -63,10 +63,18 @@ def tlt_vs_baseline(results: dict[str, dict], tlt: str = "tlt", baseline: str = 
         "reward": {baseline: [s["reward_mean"] for s in b], tlt: [s["reward_mean"] for s in t],
                    "gap": reward_gap(t, b)},
         "drafter_critical_path_share": float(np.mean(crit)) if crit else 0.0,
-        # The rollout window in two phases (timeline.crowded_seconds): where its time is won or lost.
-        "rollout_phase_ratio": {phase: ratio(b, t, f"rollout_{phase}_s") for phase in ("crowded", "tail")
-                                if all(f"rollout_{phase}_s" in s for s in measured(b) + measured(t))},
+        "rollout_phase_ratio": phase_ratios(b, t),
     }
+
+
+# The rollout window in two phases (timeline.crowded_seconds): where its time is won or lost.
+ROLLOUT_PHASES = ("crowded", "tail")
+
+
+def phase_ratios(slow: list[dict], fast: list[dict], first: int = FIRST_MEASURED_STEP) -> dict[str, float]:
+    """`ratio` of each rollout phase's seconds, for the phases both runs' steps record."""
+    return {p: ratio(slow, fast, f"rollout_{p}_s", first) for p in ROLLOUT_PHASES
+            if all(f"rollout_{p}_s" in s for s in measured(slow, first) + measured(fast, first))}
 
 
 def format_comparison(c: dict) -> str:
