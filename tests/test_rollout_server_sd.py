@@ -69,6 +69,7 @@ async def _scenario(spec: dict) -> dict:
 
     plain = VllmServer(_rollout_config(), model, 0, engine_env(0))
     await plain.launch()
+    res["plain_runner"] = (await plain.collective_rpc("tlt_model_runner", args=(False,)))[0]
     from tlt_verl.rollout.engine.engine_dirs import shared_modelinfo_dir
 
     link = os.path.join(engine_env(0)["VLLM_CACHE_ROOT"], "modelinfos")
@@ -102,6 +103,7 @@ async def _scenario(spec: dict) -> dict:
     server = VllmServer(_rollout_config(tlt_sd=tlt_sd), model, 0, engine_env(0))
     await server.launch()
     try:
+        res["sd_runner"] = (await server.collective_rpc("tlt_model_runner", args=(True,)))[0]
         res["sd"] = [await rollout(server, f"sd{r}") for r in range(3)]
         res["summary"] = await server.take_sd_summary()
         state = server.sd_policy_state()
@@ -193,6 +195,16 @@ def scenario(tmp_path_factory):
                             env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VERL_RAY_JOB_ID": f"test{os.getpid()}"})
     res.update(drafter=drafter, target=target)
     return res
+
+
+@pytest.mark.slow
+def test_engines_run_the_v1_runner_with_the_patched_drafter(scenario):
+    # What the start-up check (model_runner.runner_problem) accepted, as the workers report it.
+    for key in ("plain_runner", "sd_runner"):
+        assert scenario[key]["runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner", scenario[key]
+        assert scenario[key]["problem"] is None
+    assert scenario["plain_runner"]["drafter"] is None
+    assert scenario["sd_runner"]["drafter"] == "vllm.v1.spec_decode.eagle.EagleProposer"
 
 
 @pytest.mark.slow

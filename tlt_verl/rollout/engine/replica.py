@@ -10,6 +10,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.workers.rollout.replica import RolloutReplica
 
 from tlt_verl.rollout.engine import NAME
+from tlt_verl.rollout.engine.model_runner import RUNNER_ENV
 from tlt_verl.rollout.engine.server import VllmServer
 
 
@@ -25,12 +26,7 @@ class VllmReplica(RolloutReplica):
     async def launch_servers(self):
         node_id = await self.workers[0].__ray_call__.remote(lambda w: ray.get_runtime_context().get_node_id())
         name = server_actor_name(self.config.name or NAME, self.replica_rank)
-        env = engine_env(self.replica_rank)
-        gpus = await replica_gpus(self.workers)
-        if gpus:
-            # On GPU the server shares its trainer ranks' devices (as verl's hybrid engine does):
-            # it holds no Ray GPU of its own, sleeps while the actor trains, wakes for the rollout.
-            env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+        env = replica_engine_env(self.replica_rank, await replica_gpus(self.workers))
         server = (
             ray.remote(VllmServer)
             .options(
@@ -94,6 +90,15 @@ async def replica_gpus(workers) -> list[str]:
     return seen
 
 
+def replica_engine_env(replica_rank: int, gpus: list[str]) -> dict[str, str]:
+    """Environment of a replica's engine process: on GPUs, the trainer ranks' devices (the server
+    shares them as verl's hybrid engine does: it holds no Ray GPU of its own, sleeps while the actor
+    trains, wakes for the rollout); on a CPU host, `engine_env`. The model runner is V1 on both."""
+    if gpus:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(gpus), **RUNNER_ENV}
+    return engine_env(replica_rank)
+
+
 def engine_env(replica_rank: int) -> dict[str, str]:
     """Environment of a replica's engine process on a CPU host."""
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
@@ -104,4 +109,5 @@ def engine_env(replica_rank: int) -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": str(cores[replica_rank % len(cores)]),
         "VLLM_RPC_BASE_PATH": os.path.join(scratch, "rpc"),
         "VLLM_CACHE_ROOT": os.path.join(scratch, "cache"),
+        **RUNNER_ENV,
     }

@@ -127,6 +127,7 @@ class VllmServer:
                                                args["max_num_batched_tokens"], on_gpu and not args["enforce_eager"],
                                                user=args.get("compilation_config")))
         self.engine = start_engine(args)
+        await self._check_model_runner(speculative=bool(args.get("speculative_config")))
         if self.sd_config is not None:
             from tlt_verl.rollout.engine.sd_loop import AdaptiveSDLoop
             from tlt_verl.rollout.policy.sd_policy import AdaptiveSDPolicy
@@ -135,6 +136,17 @@ class VllmServer:
                                       max_batch=self.config.max_num_seqs)
             self.sd_loop = AdaptiveSDLoop(self.engine, policy, self.sd_config.poll_interval_s)
             await self.sd_loop.push_schedule()
+
+    async def _check_model_runner(self, speculative: bool) -> None:
+        """Refuse, in one line naming it, a model runner TLT cannot drive (model_runner.py)."""
+        reports = await self.engine.collective_rpc("tlt_model_runner", args=(speculative,))
+        problems = [r["problem"] for r in reports if r["problem"]]
+        if problems:
+            self.shutdown()
+            raise RuntimeError(f"tlt-verl: rollout replica {self.replica_rank}: {problems[0]}")
+        # Printed, not logged: Ray forwards an actor's stdout to the driver's console and log.
+        drafter = f", drafter {reports[0]['drafter']}" if reports[0]["drafter"] else ""
+        print(f"tlt-verl: rollout replica {self.replica_rank} runs vLLM's {reports[0]['runner']}{drafter}", flush=True)
 
     # ---- generation -------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 from tlt_verl.patches._guard import require_attr
 from tlt_verl.patches.vllm_sd import catch_up
 from tlt_verl.rollout.engine.drafter_reload import DrafterExtension
+from tlt_verl.rollout.engine.model_runner import runner_report
 
 WHAT = "target weight sync"
 
@@ -56,6 +57,9 @@ class TLTWorkerExtension(DrafterExtension, vLLMColocateWorkerExtension):
         finally:
             # Layers that received nothing get their previous kernel tensors back.
             finalize(model, self.model_runner.model_config)
+
+    def tlt_model_runner(self, speculative: bool) -> dict:
+        return runner_report(self.model_runner, speculative)
 
     def tlt_release_sd_catch_up(self) -> dict:
         return catch_up.release(self.model_runner)
