@@ -6,6 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+# Prompts the drafter warm-up samples responses to unless told otherwise (WarmupConfig.num_prompts).
+WARMUP_PROMPTS = 256
+
 
 def _run(args) -> int:
     import time
@@ -58,6 +61,16 @@ def _prepare_model(args, default_root: Path) -> int:
     return 0
 
 
+def _warmup_prompts(args) -> tuple[str | None, int]:
+    """--prompts is a count of the task's prompts (as before) or a parquet file of chat prompts,
+    of which --num-prompts rows are used."""
+    if args.prompts.isdigit():
+        if args.num_prompts is not None:
+            raise ValueError(f"--num-prompts: only with --prompts FILE (--prompts {args.prompts} is already a count)")
+        return None, int(args.prompts)
+    return args.prompts, args.num_prompts if args.num_prompts is not None else WARMUP_PROMPTS
+
+
 def _drafter(args) -> int:
     # Bad input (a missing folder, a drafter that does not fit the target, a corrupt
     # checkpoint) surfaces as ValueError / OSError with a one-line message.
@@ -65,11 +78,12 @@ def _drafter(args) -> int:
         if args.drafter_cmd == "warmup":
             from tlt_verl.drafter.warmup import WarmupConfig, run_warmup
 
+            prompts_file, num_prompts = _warmup_prompts(args)
             run_warmup(WarmupConfig(target=args.target, out=args.out, kind=args.kind,
                                     parallel_drafting=args.parallel_drafting, init=args.init,
-                                    budget_s=args.budget_s, max_steps=args.max_steps, num_prompts=args.prompts,
-                                    max_new_tokens=args.max_new_tokens, generator=args.generator,
-                                    layout=args.layout))
+                                    budget_s=args.budget_s, max_steps=args.max_steps, num_prompts=num_prompts,
+                                    prompts_file=prompts_file, max_new_tokens=args.max_new_tokens,
+                                    generator=args.generator, layout=args.layout))
         else:
             from tlt_verl.drafter.warmup import export_checkpoint
 
@@ -144,7 +158,11 @@ def _add_drafter_parser(sub) -> None:
     w.add_argument("--budget-s", type=float, default=600.0, help="training wall-clock budget")
     w.add_argument("--max-steps", type=int, default=None)
     w.add_argument("--init", default=None, help="an existing EAGLE drafter folder to start from")
-    w.add_argument("--prompts", type=int, default=256)
+    w.add_argument("--prompts", default=str(WARMUP_PROMPTS), metavar="N|FILE.parquet",
+                   help=f"how many of the task's prompts (default {WARMUP_PROMPTS}), or a parquet file in verl's "
+                        "dataset format (a 'prompt' column of chat messages) put through the target's chat template")
+    w.add_argument("--num-prompts", type=int, default=None,
+                   help=f"with --prompts FILE: use its first N rows (default {WARMUP_PROMPTS})")
     w.add_argument("--max-new-tokens", type=int, default=1024)
     w.add_argument("--generator", choices=["hf", "vllm"], default="hf")
     w.add_argument("--layout", choices=["vllm", "sglang"], default="vllm")

@@ -4,6 +4,10 @@
     features  = one HF forward over prompt + response  (capture.hf_capture, as the actor pass)
     DataBuffer(step 0) -> DrafterTrainer under a wall-clock / step budget -> export_drafter
 
+The prompts are the task's (generated) by default, or the first rows of a parquet file in verl's
+dataset format (``prompts_file``: a ``prompt`` column of chat messages, as verl's RL files hold),
+put through the target's chat template as verl's dataset does.
+
 The responses must be sampled from the target itself (temperature 1 by default, as in the RL
 rollout): a drafter learns to predict the distribution it is trained on, and RL will ask it to
 predict this target's. A held-out slice measures top-1 agreement between the drafter's first
@@ -49,7 +53,8 @@ class WarmupConfig:
     init: str | None = None            # an EAGLE folder to start from (warm start)
     budget_s: float = 600.0            # training wall clock (generation and capture excluded)
     max_steps: int | None = None
-    num_prompts: int = 256
+    num_prompts: int = 256             # task prompts generated, or at most this many rows of prompts_file
+    prompts_file: str | None = None    # verl-format parquet of chat prompts (None: the task's prompts)
     prompt_seed: int = 7               # not the task's train/val seeds: no overlap with RL data
     max_new_tokens: int = 1024
     temperature: float = 1.0
@@ -93,6 +98,64 @@ def task_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
 
     texts = [prompt_text(p.prompt) for p in generate_problems(n, seed)]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+# verl's default data.prompt_key: the column of chat messages in its RL parquet files.
+PROMPT_COLUMN = "prompt"
+
+
+def read_chat_prompts(path: str | Path, limit: int | None = None) -> list[list[dict]]:
+    """The first ``limit`` (all: None) conversations of a verl-format parquet file, each a list of
+    {"role", "content"} messages; a file that is not that is refused in one line naming it."""
+    import pyarrow.parquet as pq
+
+    from tlt_verl.task.longtail import _check_field, _one_line
+
+    where = f"--prompts {path}"
+    if not Path(path).is_file():
+        raise ValueError(f"{where}: no such file")
+    try:
+        columns = pq.read_schema(path).names
+        table = pq.read_table(path, columns=[PROMPT_COLUMN]) if PROMPT_COLUMN in columns else None
+    except Exception as e:  # pyarrow raises several unrelated types for a file that is not parquet
+        raise ValueError(f"{where}: cannot read as parquet: {_one_line(e)}") from None
+    if table is None:
+        raise ValueError(f"{where}: no column '{PROMPT_COLUMN}' (verl's chat messages); its columns: "
+                         f"{', '.join(columns) or 'none'}")
+    if table.num_rows == 0:
+        raise ValueError(f"{where}: column '{PROMPT_COLUMN}' has no rows")
+    rows = table.column(PROMPT_COLUMN).slice(0, limit).to_pylist()
+    for i, messages in enumerate(rows):
+        # The same definition of chat messages as the task's own RL files are checked against.
+        problem = _check_field(PROMPT_COLUMN, messages)
+        if problem:
+            raise ValueError(f"{where}: row {i}: column '{PROMPT_COLUMN}' is not chat messages: {problem}")
+    return rows
+
+
+def chat_prompts(tokenizer, conversations: list[list[dict]]) -> list[list[int]]:
+    """Token ids of each conversation through the tokenizer's chat template with the assistant's
+    turn opened, as verl's RLHFDataset builds a rollout prompt (template as text, then tokenized
+    without special tokens: the template already holds them)."""
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in conversations]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def warmup_prompts(tokenizer, cfg: WarmupConfig, context: int | None) -> list[list[int]]:
+    """The prompts the warm-up samples responses to (see WarmupConfig.prompts_file)."""
+    if cfg.prompts_file is None:
+        return task_prompts(tokenizer, cfg.num_prompts, cfg.prompt_seed)
+    if not tokenizer.chat_template:
+        raise ValueError(f"--target {cfg.target}: its tokenizer has no chat template to apply to --prompts "
+                         f"{cfg.prompts_file}")
+    prompts = chat_prompts(tokenizer, read_chat_prompts(cfg.prompts_file, cfg.num_prompts))
+    # A prompt as long as the target's context leaves no room for a response (and the engine
+    # refuses it): skipped, as verl's data.filter_overlong_prompts does.
+    fit = [p for p in prompts if context is None or len(p) < context]
+    if not fit:
+        raise ValueError(f"--prompts {cfg.prompts_file}: every prompt is longer than the target's context "
+                         f"({context} tokens)")
+    return fit
 
 
 @torch.no_grad()
@@ -178,6 +241,8 @@ def run_warmup(cfg: WarmupConfig, log: Callable[[str], None] = print) -> dict:
             raise ValueError(f"--init {cfg.init}: is an {init_kind} drafter, but --kind {cfg.kind}")
     out = Path(cfg.out)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    # A bad prompts file is refused before the target's weights load.
+    prompts = warmup_prompts(tokenizer, cfg, getattr(target_config, "max_position_embeddings", None))
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -192,8 +257,9 @@ def run_warmup(cfg: WarmupConfig, log: Callable[[str], None] = print) -> dict:
     tcfg = cfg.trainer if cfg.max_steps is None else replace(cfg.trainer, total_steps=cfg.max_steps)
     report: dict = {"config": {**asdict(cfg), "trainer": tcfg.to_dict()}}
 
+    report["prompts"] = {"source": cfg.prompts_file or "task", "count": len(prompts)}
+    log(f"warmup: {len(prompts)} prompts from {cfg.prompts_file or 'the task'}")
     t0 = time.perf_counter()
-    prompts = task_prompts(tokenizer, cfg.num_prompts, cfg.prompt_seed)
     gen = generate_vllm(target_dir, prompts, cfg) if cfg.generator == "vllm" else generate_hf(target, tokenizer, prompts, cfg)
     lengths = sorted(map(len, gen))
     report["generation"] = {"generator": cfg.generator, "seconds": round(time.perf_counter() - t0, 1),
