@@ -82,14 +82,17 @@ def test_config_doc_refuses_an_option_without_a_meaning():
 
 
 def _readme_commands(text: str) -> list[str]:
-    """Each command line of the README's ```bash blocks, continuation lines joined, comments cut."""
+    """Each command line of the README's ```bash blocks (continuation lines joined, comments cut),
+    then each command quoted inline in its prose (`./tlt ...`, `bash ...`), once each."""
     out = []
     for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
         for line in block.replace("\\\n", " ").splitlines():
             line = re.sub(r"\s+#.*$", "", line).strip()
             if line and not line.startswith("#"):
                 out.append(re.sub(r"\s+", " ", line))
-    return out
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    out += re.findall(r"`((?:\./tlt|bash) [^`]+)`", prose)
+    return list(dict.fromkeys(out))
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +154,10 @@ def _tlt_overrides_parse(command: str) -> None:
     assert TLTConfig.from_dict(block).enable
 
 
+def _in(path: Path, text: str) -> None:
+    assert text in path.read_text(), f"{path}: no {text}"
+
+
 def _no_export_yet(clone: Path, command: str) -> None:
     """`./tlt serve RUN ...` in a fresh clone: the one-line error of a run not made yet, after
     argparse accepted every argument (it would exit 2 with usage first)."""
@@ -192,8 +199,10 @@ CHECKS = {
     "VAL=.cache/tlt/assets/data/val.parquet bash recipes/tiny_cpu_grpo.sh +tlt.enable=true "
     "+tlt.drafter.init=.cache/tlt/assets/warm_drafter":
         lambda c, cmd: (_ok(c, "bash -n recipes/tiny_cpu_grpo.sh"), _tlt_overrides_parse(cmd)),
-    "./tlt drafter warmup --target MODEL_DIR --out drafters/mine --kind eagle3 --parallel-drafting --budget-s 600":
-        _flags_in_help,
+    "./tlt drafter warmup --target MODEL_DIR --prompts train.parquet --out drafters/mine --kind eagle3 "
+    "--parallel-drafting --budget-s 600": _flags_in_help,
+    "./tlt prepare --model smollm2-135m": lambda c, cmd: (_flags_in_help(c, cmd),
+                                                          _in(c / "tlt_verl" / "task" / "models.py", '"smollm2-135m"')),
     "./tlt run --run-dir runs/mine": _flags_in_help,
     "./tlt serve runs/mine": lambda c, cmd: _no_export_yet(c, cmd + " --dry-run"),
     "./tlt serve runs/mine --dry-run": _no_export_yet,
@@ -201,6 +210,9 @@ CHECKS = {
     "./tlt export CKPT_DIR/global_step_N": _flags_in_help,
     "cd runs/mine/checkpoints/tlt/tiny_cpu_grpo/tlt/export/step_14": _export_path,
     'vllm serve policy --speculative-config "$(cat vllm_speculative_config.json)"': _plain_vllm_serve,
+    "./tlt serve": lambda c, cmd: _ok(c, "./tlt serve --help"),
+    "./tlt bench-e2e": lambda c, cmd: _ok(c, "./tlt bench-e2e --help"),
+    "bash bench/gpu_check.sh": lambda c, cmd: _ok(c, "bash bench/gpu_check.sh --help"),
     # Not run as written: it would run this module inside itself.
     "./tlt test tests/test_docs.py": lambda c, cmd: _ok(c, "./tlt test --collect-only -q tests/test_docs.py"),
     ".venv/bin/python scripts/gen_config_doc.py":
