@@ -171,7 +171,12 @@ def _export_path(clone: Path, command: str) -> None:
     assert "trainer.project_name=tlt " in recipe and "trainer.experiment_name=tiny_cpu_grpo " in recipe
     runner = (clone / "tlt_verl" / "launch" / "runner.py").read_text()
     assert "{run_dir}/checkpoints/${{trainer.project_name}}/${{trainer.experiment_name}}" in runner
-    assert "<trainer.default_local_dir>/tlt/export/step_N/" in (clone / "tlt_verl" / "serve" / "export.py").read_text()
+    # <default_local_dir>/tlt/export/step_N, read from the code (importing the trainer imports verl: slow)
+    trainer = (clone / "tlt_verl" / "integration" / "tlt_trainer.py").read_text()
+    assert 'os.path.join(config.trainer.default_local_dir, "tlt")' in trainer
+    assert "os.path.join(tlt_work_dir(self.config), EXPORT_DIR)" in trainer
+    export = (clone / "tlt_verl" / "serve" / "export.py").read_text()
+    assert 'EXPORT_DIR = "export"' in export and 'STEP_PREFIX = "step_"' in export
     assert re.search(r'"--steps", type=int, default=14\b', (clone / "tlt_verl" / "cli.py").read_text())
     assert command == "cd runs/mine/checkpoints/tlt/tiny_cpu_grpo/tlt/export/step_14"
 
