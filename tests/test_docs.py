@@ -220,10 +220,9 @@ CHECKS = {
     "bash bench/gpu_check.sh": lambda c, cmd: _ok(c, "bash bench/gpu_check.sh --help"),
     # Not run as written: it would run this module inside itself.
     "./tlt test tests/test_docs.py": lambda c, cmd: _ok(c, "./tlt test --collect-only -q tests/test_docs.py"),
-    ".venv/bin/python scripts/gen_config_doc.py":
-        lambda c, cmd: (_ok(c, cmd),
-                        (c / "docs" / "config.md").read_text() == (REPO / "docs" / "config.md").read_text()
-                        or pytest.fail("gen_config_doc.py rewrote docs/config.md in a fresh clone")),
+    # Its output is test_config_doc_matches_the_dataclasses's business; a second import of torch
+    # here would double this module's time on a busy box.
+    ".venv/bin/python scripts/gen_config_doc.py": lambda c, cmd: _ok(c, cmd + " --help"),
 }
 
 
