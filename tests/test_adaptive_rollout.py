@@ -356,36 +356,74 @@ def test_paired_values_keep_arms_valued_across_a_rollout_boundary():
     assert run(keep_groups=False).bandit.best(0) == 0
 
 
-@pytest.mark.parametrize("values", ["paired", "pull"])
-def test_a_burst_on_the_shared_cores_does_not_decide_the_arm(values):
-    """Batch 1, k=3 (3.4 tokens a step for 6.0 ms) against k=2 (2.7 for 5.8 ms): k=3 is the better
-    arm. One step of the k=3 pull took 180 ms (another process's burst); costed as it ran, the
-    pull's mean step is 27.75 ms and k=2 wins; costed as the pull's median step, k=3 keeps its value."""
-    def run():
-        cfg = SDPolicyConfig(threshold=8, steps_per_pull=8, values=values,
-                             bandit=BanditConfig(bucket_edges=(1, 2), arms=(0, 2, 3)))
-        policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=8)
-        t = 0.0
-        for k, times in ((3, [0.006] * 3 + [0.180] + [0.006] * 4), (2, [0.0058] * 8)):
-            policy._arm[0] = k
-            steps = []
-            for step_s in times:
-                t += step_s
-                steps.append(_step(1, k, 2.8 if k == 2 else 3.4, step_s, t=t))
-            policy.observe(steps)
-        return policy
-
+def _burst_run(values: str, steps_per_pull: int, factor: float, burst_at: int = 7, rule: bool = True):
+    """Batch 1, eight steps of k=3 (3.4 tokens a step for 6.0 ms), then eight of k=2 (2.9 for 5.3 ms):
+    k=3 is the better arm (567 tokens a second against 547). Step `burst_at` of k=3 takes `factor`
+    times as long: another process's burst on the shared cores. `rule=False`: no outlier rule."""
     from tlt_verl.rollout.policy import sd_policy
 
-    bandit = run().bandit
-    # k=2's tokens a step: its own 2.8 (and, valued in pairs, the 3.0 the k=3 pull implies)
-    a2 = 2.8 if values == "pull" else (3.0 + 2.8) / 2
-    assert bandit.estimates(0)[3][1] == pytest.approx(3.4 / 0.006)
-    assert bandit.estimates(0)[2][1] == pytest.approx(a2 / 0.0058) and bandit.best(0) == 3
+    cfg = SDPolicyConfig(threshold=8, steps_per_pull=steps_per_pull, values=values,
+                         bandit=BanditConfig(bucket_edges=(1, 2), arms=(0, 2, 3)))
+    policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=8)
+    t = 0.0
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sd_policy, "STEP_OUTLIER", float("inf"))
-        burst = run().bandit
-    assert burst.estimates(0)[3][1] == pytest.approx(3.4 / (0.222 / 8)) and burst.best(0) == 2
+        if not rule:
+            mp.setattr(sd_policy, "STEP_OUTLIER", float("inf"))
+        for k, tokens, step_s in ((3, 3.4, 0.006), (2, 2.9, 0.0053)):
+            for i in range(8):
+                policy._arm[0] = k  # the arm the test plays, as if the bandit had picked it
+                s = step_s * (factor if k == 3 and i == burst_at else 1)
+                t += s
+                policy.observe([_step(1, k, tokens, s, t=t)])
+    return policy.bandit
+
+
+@pytest.mark.parametrize("values", ["paired", "pull"])
+@pytest.mark.parametrize("steps_per_pull", [1, 2, 8])
+@pytest.mark.parametrize("factor", [4, 30])
+def test_a_burst_on_the_shared_cores_does_not_decide_the_arm(values, steps_per_pull, factor):
+    """The burst is in k=3's last step, next to k=2's first pull. Costed as it ran, k=3 loses to
+    k=2; costed as the median step of k=3 (its pull's, or at steps_per_pull <= 2, where a pull's
+    median contains the burst, of its latest steps in the bucket), k=3 keeps its value. A 4x burst
+    is just over the rule's 3x factor."""
+    bandit = _burst_run(values, steps_per_pull, factor)
+    # k=2's tokens a step: its own 2.9 (and, valued in pairs, the 3.0 the k=3 pulls imply, as many
+    # steps of each)
+    a2 = 2.9 if values == "pull" else (3.0 + 2.9) / 2
+    assert bandit.estimates(0)[3][1] == pytest.approx(3.4 / 0.006)
+    assert bandit.estimates(0)[2][1] == pytest.approx(a2 / 0.0053) and bandit.best(0) == 3
+    burst = _burst_run(values, steps_per_pull, factor, rule=False)
+    assert burst.estimates(0)[3][1] < 3.4 / 0.006 and burst.best(0) == 2, burst.estimates(0)
+
+
+def test_a_burst_in_an_arms_first_two_step_pull_is_told():
+    """The arm's first pull in the rollout has no earlier steps to compare with: of its two steps,
+    one a 4x burst, the lower one is the reference."""
+    bandit = _burst_run("pull", 2, 4, burst_at=0)
+    assert bandit.estimates(0)[3][1] == pytest.approx(3.4 / 0.006) and bandit.best(0) == 3
+    burst = _burst_run("pull", 2, 4, burst_at=0, rule=False)
+    assert burst.estimates(0)[3][1] == pytest.approx((3 * 3.4 / 0.006 + 3.4 / 0.015) / 4) and burst.best(0) == 2
+
+
+def test_the_outlier_reference_starts_over_at_a_rollout_boundary():
+    """Steps of an earlier rollout (other contexts, other costs) are not the reference: a k=3 step
+    4x the cost of the last rollout's is costed as it ran when it is the arm's only step since."""
+    cfg = SDPolicyConfig(threshold=8, steps_per_pull=1, values="pull",
+                         bandit=BanditConfig(bucket_edges=(1, 2), arms=(0, 2, 3)))
+    policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=8)
+    t = 0.0
+    for step_s in [0.006] * 4 + [None, 0.024]:
+        if step_s is None:
+            t += 30.0  # the RL step's training between rollouts
+            continue
+        policy._arm[0] = 3
+        t += step_s
+        policy.observe([_step(1, 3, 3.4, step_s, t=t)])
+    assert policy.bandit.estimates(0)[3][1] == pytest.approx((4 * 3.4 / 0.006 + 3.4 / 0.024) / 5)
+    state = json.loads(json.dumps(policy.state_dict()))
+    other = AdaptiveSDPolicy(cfg, max_k=3, max_batch=8)
+    other.load_state_dict(state)
+    assert other.state_dict() == policy.state_dict()
 
 
 def _tail(values: str, per_pos: tuple[int, ...], rollouts: int, pulls: int = 40, force=None) -> list[int]:

@@ -22,8 +22,6 @@ import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Optional
 
-import numpy as np
-
 from tlt_verl.rollout.policy.arm_values import ROLLOUT_GAP_S, VALUES, Pull
 from tlt_verl.rollout.policy.bandit import BanditConfig, BucketedEpsilonGreedy
 
@@ -107,6 +105,8 @@ class AdaptiveSDPolicy:
         self.values = VALUES[config.values](config.bandit.arms, n, config.bandit.step_size)
         self._arm = [self.bandit.select(b) for b in range(n)]
         self._acc: list[Optional[_PullSoFar]] = [None] * n  # the current pull's steps, per bucket
+        # Per bucket: [end of its latest pull, per arm index the seconds of its latest steps].
+        self._recent: list[Optional[list]] = [None] * n
 
     def arm(self, bucket: int) -> int:
         return self._arm[bucket]
@@ -137,18 +137,35 @@ class AdaptiveSDPolicy:
                 acc = self._acc[b] = _PullSoFar(self._arm[b])  # a pull's steps come from one rollout
             acc.add(m)
             if acc.steps >= self.config.steps_per_pull:
-                self.values.learn(self.bandit, b, acc.pull())
+                self.values.learn(self.bandit, b, acc.pull(self._reference(b, acc)))
                 new = self.bandit.select(b)
                 changed |= new != self._arm[b]
                 self._arm[b] = new
                 self._acc[b] = None
         return changed
 
+    def _reference(self, bucket: int, acc: "_PullSoFar") -> list[float]:
+        """The step seconds the pull's outlier rule takes its median over: the pull's own, topped up
+        to REFERENCE_STEPS with its arm's latest steps in the bucket from earlier pulls of this
+        rollout (the same arm: arms' step costs differ; this rollout: contexts, so costs, move
+        between rollouts). Records the pull's steps for the pulls after it."""
+        i = self.config.bandit.arms.index(acc.arm)
+        recent = self._recent[bucket]
+        if recent is None or acc.t_start - recent[0] > ROLLOUT_GAP_S:
+            recent = self._recent[bucket] = [0.0, [[] for _ in self.config.bandit.arms]]
+        own = [t for _, t in acc.step_s]
+        missing = max(REFERENCE_STEPS - len(own), 0)
+        earlier = recent[1][i][max(len(recent[1][i]) - missing, 0):] if missing else []
+        recent[0] = acc.t_end
+        recent[1][i] = (recent[1][i] + own)[-REFERENCE_STEPS:]
+        return earlier + own
+
     def state_dict(self) -> dict[str, Any]:
         return {"config": {"threshold": self.config.threshold, "steps_per_pull": self.config.steps_per_pull,
                            "values": self.config.values, "bandit": asdict(self.config.bandit)},
                 "bandit": self.bandit.state_dict(), "values": self.values.state_dict(), "arms": list(self._arm),
-                "acc": [None if a is None else asdict(a) for a in self._acc]}
+                "acc": [None if a is None else asdict(a) for a in self._acc],
+                "recent": copy.deepcopy(self._recent)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = copy.deepcopy(state)  # the policy learns on in place; the caller's state stays as saved
@@ -166,10 +183,13 @@ class AdaptiveSDPolicy:
         # A pull in progress saved in another layout is dropped: the bucket starts its pull again.
         keys = {f.name for f in fields(_PullSoFar)}
         self._acc = [_PullSoFar(**a) if isinstance(a, Mapping) and set(a) == keys else None for a in state["acc"]]
+        # States saved before the outlier rule looked across pulls: each bucket's reference starts empty.
+        self._recent = state.get("recent") or [None] * self.config.bandit.num_buckets
 
 
-# A step slower than this many times its pull's median step is costed as the median step: its time
-# was another process's burst on the shared cores, not the arm's (its tokens still count). A cap
+# A step slower than this many times its arm's median step (the pull's; see REFERENCE_STEPS) is
+# costed as the median step: its time was another process's burst on the shared cores, not the
+# arm's (its tokens still count). A cap
 # at this factor instead would still leave one such step in eight adding a quarter to the pull's
 # cost. Measured in a 6-step TLT run on CPU: batch-1 steps at k=3 had a median of 6.0 ms, a mean
 # of 8.3 ms and a maximum of 183 ms; one such step makes its pull's mean cost 4x. In 20-step runs
@@ -177,6 +197,12 @@ class AdaptiveSDPolicy:
 # tail 1.07-1.10x faster than the policy; with it, 0.94-1.01x (bench/results/tlt_e2e_fixed_k3.json,
 # tlt_e2e.json). Within a pull the batch moves the cost far less than 3x.
 STEP_OUTLIER = 3.0
+# The median is taken over at least this many steps (`AdaptiveSDPolicy._reference`): a pull's own
+# median cannot tell its burst at steps_per_pull <= 2, where it contains the burst (of two steps
+# the median is their mean, which a burst never exceeds 1.5x). Over five of the arm's latest
+# steps two bursts still leave a normal step in the middle. Of an even count the lower middle is
+# taken: the arm's first pull of two steps in a rollout, one of them a burst, has the other.
+REFERENCE_STEPS = 5
 
 
 @dataclass
@@ -202,8 +228,10 @@ class _PullSoFar:
             self.tokens[k] += m.batch + sum(m.accepted_per_pos[:k])
         self.tokens[self.arm] += m.emitted
 
-    def pull(self) -> Pull:
-        median = float(np.median([t for _, t in self.step_s]))
+    def pull(self, reference: Iterable[float]) -> Pull:
+        """The finished pull, its outliers (against the median of `reference`) costed as that median."""
+        ordered = sorted(reference)
+        median = float(ordered[(len(ordered) - 1) // 2])
         by_batch: dict[int, tuple[int, float]] = {}
         for b, t in self.step_s:
             n, total = by_batch.get(b, (0, 0.0))
