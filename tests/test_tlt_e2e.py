@@ -24,7 +24,6 @@ import pytest
 
 from tlt_verl.integration.config import SpotSection
 from tlt_verl.launch.runner import RunConfig, RunError, run
-from tlt_verl.rollout.policy.sd_policy import sd_policy_pulls
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_ray")]
 
@@ -169,6 +168,19 @@ def test_spot_timeline_shows_training_on_drained_replicas(runs):
         assert set(s["tlt"]) >= {"sd_share", "acceptance_length", "harvested_s", "critical_path_s"}
 
 
+def _advanced_by(saved, later, most: int) -> bool:
+    """Whether the random stream state ``later`` is ``saved`` after at most ``most`` draws."""
+    import random
+
+    rng, want = random.Random(), (later[0], tuple(later[1]), later[2])
+    rng.setstate((saved[0], tuple(saved[1]), saved[2]))
+    for _ in range(most + 1):
+        if rng.getstate() == want:
+            return True
+        rng.random()
+    return False
+
+
 def test_drafter_checkpoint_in_verl_step_folder_and_resume(runs):
     root = _ckpt_root(runs["dir"])
     for step in (1, 2, 3):
@@ -179,9 +191,23 @@ def test_drafter_checkpoint_in_verl_step_folder_and_resume(runs):
         # verl ran its synchronous path (an async mode would also checkpoint its TransferQueue).
         assert not (root / f"global_step_{step}" / "transfer_queue").exists()
     assert re.search(r"tlt: drafter resumed from \S*global_step_3 on 2/2 ranks", runs["log2"]), runs["log2"][-3000:]
-    # The bandit carries on from the saved state: the resumed run names the pulls it loaded.
-    saved = json.loads((_ckpt_root(runs["dir"]) / "global_step_3" / "tlt_drafter" / "sd_policy.json").read_text())
-    assert f"SD policy resumed: {sum(sd_policy_pulls(s) for s in saved if s)} bandit pulls" in runs["log2"]
+    # The bandit carries on from the saved state. The resumed run names the pulls it loaded: the
+    # bandit's selections, one per bucket at the start and one after each completed pull (counted
+    # here from the arms' pull counts). And the states its replicas saved after step 4 continue
+    # step 3's: no arm's count went down, and each random stream is the saved one advanced by step
+    # 4's selections (two draws at most each), not one started over.
+    def policy(step):
+        return json.loads((_ckpt_root(runs["dir"]) / f"global_step_{step}" / "tlt_drafter" / "sd_policy.json").read_text())
+
+    saved, after = policy(3), policy(4)
+    assert len(saved) == len(after) >= 2 and all(saved) and all(after)
+    selections = sum(sum(map(sum, s["bandit"]["counts"])) + len(s["bandit"]["counts"]) for s in saved)
+    assert f"SD policy resumed: {selections} bandit pulls" in runs["log2"], runs["log2"][-3000:]
+    for s3, s4 in zip(saved, after):
+        c3, c4 = s3["bandit"]["counts"], s4["bandit"]["counts"]
+        assert sum(map(sum, c3)) > 0 and all(x4 >= x3 for b3, b4 in zip(c3, c4) for x3, x4 in zip(b3, b4)), (c3, c4)
+        new = sum(map(sum, c4)) - sum(map(sum, c3))
+        assert _advanced_by(s3["bandit"]["rng"], s4["bandit"]["rng"], 2 * new), (c3, c4)
     m2 = runs["m2"]
     assert sorted(m2) == [4]
     # The resumed drafter carries on from the saved one (its optimizer step count), not from scratch.
