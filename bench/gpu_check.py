@@ -1,4 +1,4 @@
-"""GPU check: everything in tlt-verl that only a GPU can show, in one run of at most 10 minutes.
+"""GPU check: everything in tlt-verl that only a GPU can show, in one run of at most 8 minutes.
 
     bash bench/gpu_check.sh [--out bench/results/gpu_check.json]     # on one GPU (an H200)
     bash bench/gpu_check.sh --cpu-dry-run --out /tmp/gpu_check.json  # here: what a CPU can run
@@ -831,7 +831,7 @@ def run_part(part: Part, ctx: dict, budget_s: float, work: Path) -> dict:
     cmd = [sys.executable, "-m", "bench.gpu_check", "--part", part.name, "--ctx", str(ctx_path),
            "--result", str(result)]
     # Grace past the budget: a part stops its own subprocesses at the budget and still reports.
-    rc, seconds = run_logged(cmd, log, budget_s + 15, env=child_env(ctx))
+    rc, seconds = run_logged(cmd, log, budget_s + PART_GRACE_S, env=child_env(ctx))
     if result.exists():
         out = json.loads(result.read_text())
     elif rc is None:
@@ -852,6 +852,42 @@ def child_main(args) -> int:
     return 0
 
 
+# A lent device gives a session 15 minutes in all, starts included, and at most 10 a command: the
+# check keeps to 8 with the last part's grace (465 + 15 s), which leaves room for the machine's
+# start and a rerun of one part.
+GPU_TOTAL_S, DRY_TOTAL_S = 465.0, 170.0
+# run_part's grace past a part's budget.
+PART_GRACE_S = 15
+
+
+def installed(names=SERVING_STACK) -> list[str]:
+    """The packages of `names` this interpreter could import, found without importing them."""
+    from importlib.util import find_spec
+
+    return [n for n in names if find_spec(n) is not None]
+
+
+def plan(col: int, total_s: float, scale: float, only: set | None, serving: bool) -> dict:
+    """The parts that will run and the most time each may take (budget plus grace), before any runs:
+    what a session asks of a lent device. Without the serving stack its parts are planned as skipped."""
+    parts, skipped = {}, {}
+    for part in PARTS:
+        if only is not None and part.name not in only:
+            skipped[part.name] = "not selected (--only)"
+        elif part.serving and not serving:
+            skipped[part.name] = f"needs {', '.join(SERVING_STACK)}"
+        else:
+            parts[part.name] = round(scale * part.budget_s[col]) + PART_GRACE_S
+    return {"parts": parts, "skipped": skipped, "planned_s": min(round(total_s) + PART_GRACE_S, sum(parts.values())),
+            "total_s": round(total_s)}
+
+
+def plan_line(what: str, p: dict) -> str:
+    ran = ", ".join(f"{k} {v}s" for k, v in p["parts"].items())
+    skipped = f"; skipped: {', '.join(p['skipped'])}" if p["skipped"] else ""
+    return f"gpu_check: {what}: at most {p['planned_s']}s ({p['planned_s'] / 60:.1f} min) of device time: {ran}{skipped}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu_check.json"))
@@ -860,7 +896,8 @@ def main(argv=None) -> int:
                     "the project's cache in a dry run)")
     ap.add_argument("--work", default=None, help="scratch and logs (default: runs/gpu_check-<time>)")
     ap.add_argument("--total-s", type=float, default=None,
-                    help="time for all parts (default 570 on a GPU, 170 dry); every part's budget scales with it")
+                    help=f"time for all parts (default {GPU_TOTAL_S:.0f} on a GPU, {DRY_TOTAL_S:.0f} dry); every part's "
+                         "budget scales with it")
     ap.add_argument("--only", default=None, help="comma-separated parts to run (stack and sft always run)")
     ap.add_argument("--part", help=argparse.SUPPRESS)
     ap.add_argument("--graph-arm", help=argparse.SUPPRESS)
@@ -883,16 +920,25 @@ def main(argv=None) -> int:
     only = set(args.only.split(",")) | {"stack", "sft"} if args.only else None
     if only and only - set(BY_NAME):
         ap.error(f"--only: unknown part(s) {sorted(only - set(BY_NAME))}; parts: {', '.join(BY_NAME)}")
-    default_total = 570.0 if mode == "gpu" else 170.0
+    default_total = GPU_TOTAL_S if mode == "gpu" else DRY_TOTAL_S
     deadline = t0 + (args.total_s or default_total)
     # A slower machine (a contended CI box) gets more time for every part alike.
     scale = (args.total_s or default_total) / default_total
+    serving = len(installed()) == len(SERVING_STACK)
+    this_plan = plan(col, args.total_s or default_total, scale, only, serving)
+    print(plan_line(f"plan ({mode})", this_plan), flush=True)
+    gpu_plans = {"gpu_bare_image": plan(0, GPU_TOTAL_S, 1.0, only, serving=False),
+                 "gpu_full_stack": plan(0, GPU_TOTAL_S, 1.0, only, serving=True)}
+    if mode != "gpu":
+        # What this check will ask of a lent GPU: the device machines lent so far had torch alone.
+        for name, p in gpu_plans.items():
+            print(plan_line(f"plan on a GPU ({name.split('_', 1)[1].replace('_', ' ')})", p), flush=True)
     ctx = {"mode": mode, "home": str(home), "work": str(work)}
     report = {"what": "tlt-verl GPU check (bench/gpu_check.py): SFT target, TLT recipe, SD decode speed, "
                       "kernels against references, CUDA-graph memory",
               "mode": mode, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "host": {"cpus": len(os.sched_getaffinity(0)), "machine": platform.machine()},
-              "work": portable(work), "versions": {}, "parts": {}}
+              "work": portable(work), "plan": {mode: this_plan, **gpu_plans}, "versions": {}, "parts": {}}
 
     def write() -> None:
         report["wall_s"] = round(time.time() - t0, 1)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (bench/gpu_check.py): at most 10 minutes on one GPU, one JSON out.
+# The GPU check (bench/gpu_check.py): at most 8 minutes on one GPU, one JSON out.
 #   bash bench/gpu_check.sh [--out bench/results/gpu_check.json] [--only recipe,kernels]
 #   bash bench/gpu_check.sh --cpu-dry-run --out /tmp/gpu_check.json    # what a CPU box can check
 # Python: $PYTHON, else the active virtual environment (the GPU image's), else the project's .venv.

@@ -68,6 +68,21 @@ def test_report_layout(dry_run):
     assert report["wall_s"] >= sum(p["wall_s"] for p in report["parts"].values()) - 1
 
 
+def test_the_plan_fits_a_lent_device_and_is_printed(dry_run):
+    res, report = dry_run
+    plans = report["plan"]
+    # A lent device: 15 minutes a session, starts included; the check asks for at most 8.
+    for name in ("gpu_bare_image", "gpu_full_stack"):
+        assert 0 < plans[name]["planned_s"] <= 480, plans[name]
+        assert f"at most {plans[name]['planned_s']}s" in res.stdout
+    # Torch alone (the lent machines so far): the serving parts are planned as skipped, not run.
+    assert set(plans["gpu_bare_image"]["skipped"]) == set(SERVING)
+    assert set(plans["gpu_bare_image"]["parts"]) == set(PARTS) - set(SERVING)
+    assert plans["gpu_full_stack"]["skipped"] == {}
+    # What the dry run itself ran stayed inside its own plan.
+    assert report["wall_s"] <= plans["cpu-dry-run"]["planned_s"] + 20
+
+
 def test_sft_reuses_the_cached_assets_and_trains_on_the_device_path(dry_run):
     sft = dry_run[1]["parts"]["sft"]
     assert sft["status"] == "ok"
