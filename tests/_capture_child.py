@@ -2,10 +2,14 @@
 
 Builds ``ActorRolloutRefWorker(role="actor")`` (FSDP2 over gloo, world size 1, gradient
 checkpointing on as in verl's recipes) the way verl's trainer configures it, runs ``update_actor``
-(two epochs) on rollout batches laid out as trainer v1 and v0 hand them over, with capture off and
-on, and saves what came out (training metrics, weights, buffer samples, hook counts) for the test
-to check against a direct HF forward of the weights the rollout sampled with. A child, because the
-worker leaves a torch.distributed process group behind.
+on rollout batches laid out as trainer v1 and v0 hand them over, with capture off and on, and saves
+what came out (training metrics, the weights before each optimizer step and after the last, buffer
+samples, hook counts) for the test to check against a direct HF forward of the weights each
+sample's forward ran with. The v1 updates run the recipe's layout (recipes/tiny_cpu_grpo.sh: one
+epoch of several mini-batches, so every mini-batch after the first runs weights the ones before
+it moved) at a learning rate whose single step moves the states past the bf16 tolerance; the v0
+update runs two epochs of one mini-batch (only the first is captured). A child, because the worker
+leaves a torch.distributed process group behind.
 
     python tests/_capture_child.py MODEL_DIR OUT_FILE
 """
@@ -24,6 +28,12 @@ SAMPLES = [(3, 9, (1, 2)), (7, 4, ()), (5, 12, (4, 5, 6)), (2, 6, ()), (6, 1, ()
 STEPS_V1 = [7, 7, 8, 7, 8, 7]          # v1: the dataloader step of each sample
 VERSIONS_V0 = [4, 4, 4, 4, 4, 4]       # v0: the weights version each response was sampled with
 PAD = 64
+# The recipe's layout: one epoch, several mini-batches (its 4 of 8 samples a rank; here 3 of 2).
+MINI_BATCH = 2
+# One AdamW step at verl's default (1e-6) or the recipe's (5e-5) moves this model's states by
+# less than the bf16 storage tolerance the test compares at: a capture of the wrong weights
+# (after the update instead of during it) would pass. At 1e-3 one step moves them well past it.
+LR = 1e-3
 
 
 def _env():
@@ -54,9 +64,11 @@ def build_worker(model_dir: str, remove_padding: bool):
             "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
             "actor_rollout_ref.model.enable_gradient_checkpointing=True",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            f"actor_rollout_ref.actor.optim.lr={LR}",
             "actor_rollout_ref.actor.use_dynamic_bsz=True",
-            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
-            # ~27 tokens a micro-batch: the 6 samples (70 tokens) take several forwards.
+            # 20 tokens a micro-batch: most mini-batches of 2 samples take two forwards, and the
+            # single mini-batch of all 6 (67 tokens) at least four.
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20",
             "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=27",
             "actor_rollout_ref.rollout.name=vllm",
@@ -144,9 +156,9 @@ def samples(buffer):
 UPDATE_FIELDS = (("old_log_probs", -1.0), ("advantages", 0.5))
 
 
-def for_update(td, seqs, epochs: int = 2):
+def for_update(td, seqs, epochs: int = 1, mini_batch: int = MINI_BATCH):
     """A rollout batch as update_actor takes it: advantages and old log-probs added (unless the
-    layout added them), one mini-batch of every sample, ``epochs`` passes over it in order."""
+    layout added them), mini-batches of ``mini_batch`` samples in order, ``epochs`` passes."""
     from verl.utils import tensordict_utils as tu
 
     for key, value in UPDATE_FIELDS:
@@ -154,8 +166,14 @@ def for_update(td, seqs, epochs: int = 2):
             td[key] = torch.nested.as_nested_tensor([torch.full((len(r),), value) for _, r, _ in seqs],
                                                     layout=torch.jagged)
     tu.assign_non_tensor(td, compute_loss=True, calculate_entropy=False, global_batch_size=len(seqs),
-                         mini_batch_size=len(seqs), epochs=epochs, seed=0, dataloader_kwargs={"shuffle": False})
+                         mini_batch_size=mini_batch, epochs=epochs, seed=0, dataloader_kwargs={"shuffle": False})
     return td
+
+
+def full_weights(module) -> dict:
+    # Full tensors: FSDP2's shards (DTensors) need a process group to be read back.
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in module.state_dict().items()}
 
 
 def main(model_dir: str, out_file: str):
@@ -171,11 +189,16 @@ def main(model_dir: str, out_file: str):
            "patched": bool(getattr(ew.ActorRolloutRefWorker.update_actor, "_tlt_capture", False))}
 
     def update(worker, td):
-        metrics = tu.get(worker.update_actor(td), "metrics")
-        # Full tensors: FSDP2's shards (DTensors) need a process group to be read back.
-        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                   for k, v in worker.actor.engine.module.state_dict().items()}
-        return {"grad_norm": metrics["grad_norm"], "weights": weights}
+        module = worker.actor.engine.module
+        # The weights each mini-batch's forwards ran: those before each optimizer step.
+        before = []
+        handle = worker.actor.engine.optimizer.register_step_pre_hook(
+            lambda *_: before.append(full_weights(module)))
+        try:
+            metrics = tu.get(worker.update_actor(td), "metrics")
+        finally:
+            handle.remove()
+        return {"grad_norm": metrics["grad_norm"], "weights": full_weights(module), "before_step": before}
 
     def hook_count(worker):
         return HookCounter(worker.actor.engine.module)
@@ -188,8 +211,8 @@ def main(model_dir: str, out_file: str):
     res["off"] = update(worker, for_update(batch_v1(seqs), seqs))
     res["hooks_off"] = hooks.during
 
-    # Capture on, a fresh worker from the same weights: the same update, and the samples of its
-    # first epoch. The log-prob pass of the same engine is not captured.
+    # Capture on, a fresh worker from the same weights: the same update, and its samples. The
+    # log-prob pass of the same engine is not captured.
     worker = build_worker(model_dir, remove_padding=True)
     hooks = hook_count(worker)
     buf = verl_capture.enable("eagle3", aux, BufferConfig(kind="eagle3", dtype="bfloat16"))
@@ -202,13 +225,17 @@ def main(model_dir: str, out_file: str):
     res["after_log_prob_pass"] = len(buf)
     res["disabled_returns_buffer"] = verl_capture.disable() is buf
     hooks.during = []
-    update(worker, for_update(batch_v1(seqs), seqs, epochs=1))
+    update(worker, for_update(batch_v1(seqs), seqs))
     res["hooks_off_again"] = hooks.during
     res["hooks_after_off"] = hooks.count()
 
+    # Two epochs of one mini-batch: the first epoch's forwards run the weights the rollout sampled
+    # with, the second's those the first moved; only the first is captured.
     worker = build_worker(model_dir, remove_padding=True)
+    hooks = hook_count(worker)
     buf = verl_capture.enable("eagle", (), BufferConfig(kind="eagle", dtype="bfloat16"))
-    update(worker, for_update(batch_v0(seqs, update=True), seqs))
+    res["v0_update"] = update(worker, for_update(batch_v0(seqs, update=True), seqs, epochs=2, mini_batch=len(seqs)))
+    res["hooks_v0"] = hooks.during
     res["v0"] = samples(buf)
 
     padded = build_worker(model_dir, remove_padding=False)

@@ -1,9 +1,12 @@
 """Hidden states from verl's actor update, without an extra target forward.
 
 verl's real ActorRolloutRefWorker (FSDP2 over gloo, one CPU rank, gradient checkpointing) runs
-update_actor in a child process (tests/_capture_child.py); here its buffer samples are checked
-against a direct HF forward of the weights the update started from (tlt_verl.capture.hf_capture,
-the offline path's capture).
+update_actor in a child process (tests/_capture_child.py) in the recipe's layout (one epoch of
+several mini-batches); here its buffer samples are checked against a direct HF forward
+(tlt_verl.capture.hf_capture, the offline path's capture) of the weights each sample's forward ran
+with: the rollout's for the first mini-batch, those the optimizer steps before it left for each
+later one. At the child's learning rate the states of consecutive weights differ beyond the
+tolerance, so a capture from any other point (after the update, a later epoch) fails.
 """
 from __future__ import annotations
 
@@ -73,8 +76,26 @@ def _by_sequence(samples, seqs):
     return [index[tuple(torch.cat([p, r]).tolist())] for p, r, _ in seqs]
 
 
+def _with_weights(target, weights):
+    import copy
+
+    model = copy.deepcopy(target)
+    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    return model.eval()
+
+
+def _forwards_ran(target, update) -> list:
+    """The model each sample's forward ran in ``update`` (one epoch in order, mini-batches of
+    ``child.MINI_BATCH``): the weights before its mini-batch's optimizer step."""
+    models = [_with_weights(target, w) for w in update["before_step"]]
+    assert len(models) == -(-len(child.SAMPLES) // child.MINI_BATCH)
+    return [models[i // child.MINI_BATCH] for i in range(len(child.SAMPLES))]
+
+
 def _assert_matches_hf(target, samples, seqs, aux_layer_ids):
-    for (p, r, m), s in zip(seqs, _by_sequence(samples, seqs)):
+    """``target``: the model every sample's forward ran, or one model per sample."""
+    models = target if isinstance(target, list) else [target] * len(seqs)
+    for (p, r, m), s, target in zip(seqs, _by_sequence(samples, seqs), models):
         ids = torch.cat([p, r])
         ref = capture_hidden(target, ids[None], aux_layer_ids=aux_layer_ids)
         assert s["final"].dtype == torch.bfloat16 and s["final"].shape == (len(ids), target.config.hidden_size)
@@ -93,14 +114,35 @@ def test_patch_is_applied_by_the_plugin(result):
     assert result["patched"]
 
 
+def test_update_moves_states_beyond_the_tolerance(result, target):
+    """The premise of the checks below: the first mini-batch's forward ran the weights of the model
+    folder, and each optimizer step moved every sequence's states (final and aux) by more than
+    the bf16 tolerance, so states from weights before and after an update cannot pass for each
+    other."""
+    on = result["on"]
+    first = on["before_step"][0]
+    assert first.keys() == target.state_dict().keys()
+    assert all(torch.equal(first[k], v) for k, v in target.state_dict().items())
+    steps = [_with_weights(target, w) for w in on["before_step"] + [on["weights"]]]
+    assert len(steps) == 1 + -(-len(child.SAMPLES) // child.MINI_BATCH) >= 3   # several mini-batches
+    for before, after in zip(steps, steps[1:]):
+        for p, r, _ in result["sequences"]:
+            ids = torch.cat([p, r])[None]
+            a = capture_hidden(before, ids, aux_layer_ids=result["aux_layer_ids"])
+            b = capture_hidden(after, ids, aux_layer_ids=result["aux_layer_ids"])
+            assert not torch.allclose(a.final, b.final, **BF16)
+            assert not torch.allclose(a.aux, b.aux, **BF16)
+
+
 def test_packed_capture_matches_hf_forward(result, target):
     """Trainer v1's layout, remove-padding engine (verl's default), EAGLE-3 aux + final states;
-    two epochs over one mini-batch of several micro-batches, captured once: the first epoch's
-    forwards ran the weights the rollout sampled with."""
+    the recipe's one epoch of several mini-batches, each of one or more micro-batches: each
+    sample's states are those of the weights its mini-batch's forward ran."""
     assert result["aux_layer_ids"] == (0, 2, 3)
-    assert result["stats"] == {"passes": 1, "micro_batches": len(result["hooks_on"]) // 2, "samples": 6, "skipped": 0}
-    assert result["stats"]["micro_batches"] >= 2
-    _assert_matches_hf(target, result["v1"], result["sequences"], result["aux_layer_ids"])
+    assert result["stats"] == {"passes": 1, "micro_batches": len(result["hooks_on"]), "samples": 6, "skipped": 0}
+    assert result["stats"]["micro_batches"] > len(result["on"]["before_step"])   # some mini-batch split
+    _assert_matches_hf(_forwards_ran(target, result["on"]), result["v1"], result["sequences"],
+                       result["aux_layer_ids"])
 
 
 def test_same_record_as_the_offline_path(result, target):
@@ -111,8 +153,9 @@ def test_same_record_as_the_offline_path(result, target):
     offline = DataBuffer(BufferConfig(kind="eagle3"))
     whole = [i for i, (_, _, m) in enumerate(seqs) if bool(m.all())]
     assert len(whole) >= 2
-    for rec in capture_samples(target, [torch.cat(seqs[i][:2]) for i in whole], [len(seqs[i][0]) for i in whole],
-                               aux_layer_ids=aux):
+    models = _forwards_ran(target, result["on"])
+    for i in whole:
+        [rec] = capture_samples(models[i], [torch.cat(seqs[i][:2])], [len(seqs[i][0])], aux_layer_ids=aux)
         offline.add(0, rec["input_ids"], rec["loss_mask"], rec["final_hidden"], rec["aux_hidden"])
     captured = _by_sequence(result["v1"], seqs)
     for i, ref in zip(whole, (offline.get(j) for j in offline.ids())):
@@ -133,7 +176,7 @@ def test_step_tags(result):
 
 def test_training_unchanged_by_capture(result):
     """The same update from the same weights, with capture off and on: same gradients, same weights."""
-    assert result["on"]["grad_norm"] == result["off"]["grad_norm"] and result["off"]["grad_norm"][0] > 0
+    assert result["on"]["grad_norm"] == result["off"]["grad_norm"] and min(result["off"]["grad_norm"]) > 0
     for name, w in result["off"]["weights"].items():
         assert torch.equal(result["on"]["weights"][name], w), name
 
@@ -141,14 +184,17 @@ def test_training_unchanged_by_capture(result):
 def test_hooks_only_while_capturing(result):
     stock = result["hooks_stock"]
     forwards = len(result["hooks_off"])
-    # Two epochs of several micro-batches each; gradient checkpointing re-runs the decoder's
-    # layers in the backward pass, not the decoder, so only the forwards are counted here.
+    # One epoch of several mini-batches; gradient checkpointing re-runs the decoder's layers in
+    # the backward pass, not the decoder, so only the forwards are counted here.
     assert forwards >= 4 and result["hooks_off"] == [stock] * forwards
-    # Hooked in the first epoch only: the second runs as stock verl does.
-    assert result["hooks_on"] == [stock + 2 + len(result["aux_layer_ids"])] * (forwards // 2) + [stock] * (forwards // 2)
+    assert result["hooks_on"] == [stock + 2 + len(result["aux_layer_ids"])] * forwards
     assert result["hooks_after_on"] == stock                             # removed after the pass
-    assert result["hooks_off_again"] == [stock] * (forwards // 2) and result["hooks_after_off"] == stock
+    assert result["hooks_off_again"] == [stock] * forwards and result["hooks_after_off"] == stock
     assert result["disabled_returns_buffer"]
+    # Two epochs (the v0 update, EAGLE-1: final states only): hooked in the first epoch only, the
+    # second runs as stock verl does.
+    v0 = result["hooks_v0"]
+    assert len(v0) >= 4 and v0 == [stock + 2] * (len(v0) // 2) + [stock] * (len(v0) // 2)
 
 
 def test_only_the_update_is_captured(result):
@@ -158,13 +204,17 @@ def test_only_the_update_is_captured(result):
 
 
 def test_trainer_v0_layout_eagle(result, target):
-    """Left/right-padded prompts and responses (main_ppo_v0), EAGLE-1: final states only."""
+    """Left/right-padded prompts and responses (main_ppo_v0), EAGLE-1: final states only; two
+    epochs of one mini-batch, captured from the first, whose forwards ran the rollout's weights
+    (the second epoch's ran those the first epoch's step moved)."""
+    assert len(result["v0_update"]["before_step"]) == 2
     _assert_matches_hf(target, result["v0"], result["sequences"], ())
 
 
 def test_padded_engine(result, target):
     """actor_rollout_ref.model.use_remove_padding=False: one right-padded row per sample."""
-    _assert_matches_hf(target, result["padded"], result["sequences"], result["aux_layer_ids"])
+    _assert_matches_hf(_forwards_ran(target, result["padded_update"]), result["padded"], result["sequences"],
+                       result["aux_layer_ids"])
     torch.testing.assert_close(result["padded_update"]["grad_norm"], result["off"]["grad_norm"], rtol=1e-4, atol=0)
 
 
