@@ -206,7 +206,10 @@ def test_capture_staging_adds_about_one_buffer_budget_to_the_actor_not_everythin
     # (a quarter of the budget; torch.save's buffer grows by doubling, so up to half a budget),
     # plus allocator slack. Unbounded, the 103 MiB captured would all be staged and serialised.
     assert r["peak_added"] <= 2.5 * r["budget"], r
-    assert r["peak_added"] <= r["captured"] / 2, r
+    # ... and not much less than the budget: the stage really holds a budget's worth before the
+    # hand-over (as the child's buffer would), and the measurement saw it. A stage that kept
+    # less, or a high-water mark that missed the staged states, would pass the bound above alone.
+    assert r["peak_added"] >= 0.75 * r["budget"], r
 
 
 if __name__ == "__main__":
