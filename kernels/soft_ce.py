@@ -138,7 +138,7 @@ class _Target:
     def tile(self, rows: slice, cols: slice) -> torch.Tensor:
         if self.logits is not None:
             return self.logits[rows, cols].float()
-        return (self.hidden[rows] @ self.weight[cols].T).float()
+        return (self.hidden[rows] @ self.weight[cols].to(self.hidden.dtype).T).float()
 
 
 def _tiles(n: int, chunk: int):
@@ -160,7 +160,7 @@ class _SoftCE(torch.autograd.Function):
             my = torch.full_like(mz, _FLOOR)
             sz, sy, ayz = torch.zeros_like(mz), torch.zeros_like(mz), torch.zeros_like(mz)
             for cols in _tiles(v, vocab_chunk):
-                z = (hidden[rows] @ weight[cols].T).float()
+                z = (hidden[rows] @ weight[cols].to(hidden.dtype).T).float()
                 cmz, csz, cmy, csy, cayz = stats(z, target.tile(rows, cols))
                 new_mz, new_my = torch.maximum(mz, cmz), torch.maximum(my, cmy)
                 sz = sz * torch.exp(mz - new_mz) + csz * torch.exp(cmz - new_mz)
@@ -188,7 +188,7 @@ class _SoftCE(torch.autograd.Function):
         for rows in _tiles(hidden.shape[0], token_chunk):
             h = hidden[rows]
             for cols in _tiles(weight.shape[0], vocab_chunk):
-                z = (h @ weight[cols].T).float()
+                z = (h @ weight[cols].to(h.dtype).T).float()
                 dz = tile_grad(z, target.tile(rows, cols), lse_z[rows], lse_y[rows], grad_loss[rows])
                 if want_h:
                     d_hidden[rows] += dz @ weight[cols].float()
@@ -224,10 +224,13 @@ def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, *,
     # Under autocast (the drafter's bf16 training) the tiles' logits, log-sum-exps and gradients
     # stay in one dtype, the widest given: a bf16 hidden against the fp32 LM head is promoted, so
     # the vocabulary-wide softmax is never computed in bf16.
+    # The weights themselves are cast a vocabulary tile at a time: a drafter keeps the target's
+    # LM head in the rollout's dtype (bf16), and a whole fp32 copy of it per forward is what it
+    # must not hold.
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
     cast = (lambda t: None if t is None else t.to(dtype) if t.is_floating_point() else t)
     with torch.autocast(hidden.device.type, enabled=False):
-        return _SoftCE.apply(cast(hidden), cast(weight), cast(detach(target_hidden)), cast(detach(target_weight)),
+        return _SoftCE.apply(cast(hidden), weight, cast(detach(target_hidden)), detach(target_weight),
                              cast(detach(target_logits)), token_chunk, vocab_chunk,
                              _backend(hidden.device, backend))
 

@@ -3,7 +3,11 @@
 The actor update captures in the actor's process; the drafter trains in a child process
 (so that its death does not take the actor down). Capture adds here, and the drafter's host hands
 the staged samples over in one message before its next call, so the child's DataBuffer sees them
-in capture order and applies its own budget and eviction."""
+in capture order and applies its own budget and eviction.
+
+Capture asks first (``admit``) which of a micro-batch's samples would survive the budget, and
+copies only those off the device: a micro-batch larger than the budget never lands on the host
+whole."""
 from __future__ import annotations
 
 import threading
@@ -24,12 +28,34 @@ class StagingBuffer:
         self.nbytes = 0
         self.dropped = 0
 
+    def admit(self, sizes: list[int]) -> int:
+        """Of samples about to be added with these byte sizes (in order), how many leading ones
+        the later ones would evict at once: those need not be copied, and are counted as dropped.
+        The budget keeps the newest samples that fit, at least one."""
+        if self.budget_bytes is None or not sizes:
+            return 0
+        kept, total = 0, 0
+        for size in reversed(sizes):
+            if kept and total + size > self.budget_bytes:
+                break
+            total += size
+            kept += 1
+        skip = len(sizes) - kept
+        with self._lock:
+            self.dropped += skip
+        return skip
+
     def add(self, step: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
             final_hidden: torch.Tensor, aux_hidden: torch.Tensor | None = None) -> None:
-        # Clones: capture hands over views of a whole micro-batch, and serialising a view
-        # writes its entire storage.
         def own(t):
-            return None if t is None else t.detach().to("cpu").clone()
+            if t is None:
+                return None
+            t = t.detach().to("cpu")
+            # A view of a larger storage is cloned: serialising a view writes its entire storage.
+            # A tensor that owns its storage (capture's own host copy) is taken as it is.
+            whole = t.is_contiguous() and t.storage_offset() == 0 and \
+                t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            return t if whole else t.clone()
 
         sample = (int(step), own(input_ids), own(loss_mask), own(final_hidden), own(aux_hidden))
         size = sum(t.numel() * t.element_size() for t in sample[1:] if t is not None)

@@ -164,26 +164,36 @@ class CapturePass:
                 self._hooks.remove()
         steps = self._steps(lay)
         dtype = DTYPES[self._state.cfg.buffer.dtype]
+        sink = self._state.buffer
+        stats = self._state.stats
+        masks = [lay.loss_mask(i) for i in range(len(lay.lengths))]
+        wanted = [i for i, n in enumerate(lay.lengths) if n >= 2 and bool(masks[i].any())]
+        stats.skipped += len(lay.lengths) - len(wanted)
+        ids = micro_batch["input_ids"].values().cpu().split(lay.lengths)
+        # The sink's budget first, then the copy: the samples it would evict at once (a micro-batch
+        # larger than the whole budget) never leave the device.
+        if hasattr(sink, "admit"):
+            width = final.shape[-1] + (aux.shape[-1] if aux is not None else 0)
+            per_token = ids[0].element_size() + 1 + width * torch.empty((), dtype=dtype).element_size()
+            wanted = wanted[sink.admit([lay.lengths[i] * per_token for i in wanted]):]
 
         def rows(t: torch.Tensor) -> list[torch.Tensor]:
-            # Un-pad on the device (under sequence parallelism it is an all-gather), then one
-            # device-to-host copy per micro-batch; the buffer copies each sample's slice out.
-            return split(unpad(t, packed=packed, gather=gather).to("cpu", dtype), lay.lengths, packed=packed)
+            # Un-pad on the device (under sequence parallelism it is an all-gather); then each
+            # kept sample's rows are copied to the host on their own, cast to the buffer's dtype.
+            return split(unpad(t, packed=packed, gather=gather), lay.lengths, packed=packed)
 
         finals = rows(final)
         auxes = rows(aux) if aux is not None else [None] * len(finals)
-        ids = micro_batch["input_ids"].values().cpu().split(lay.lengths)
-        stats, added = self._state.stats, 0
-        for i, n in enumerate(lay.lengths):
-            mask = lay.loss_mask(i)
-            if n < 2 or not bool(mask.any()):
-                stats.skipped += 1
-                continue
-            self._state.buffer.add(steps[i], ids[i], mask, finals[i], auxes[i])
-            added += 1
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            # On a GPU a fresh host tensor; on CPU a view, which the sink copies out (once).
+            return None if t is None else t.to("cpu", dtype)
+
+        for i in wanted:
+            sink.add(steps[i], ids[i], masks[i], host(finals[i]), host(auxes[i]))
         stats.micro_batches += 1
-        stats.samples += added
-        return added
+        stats.samples += len(wanted)
+        return len(wanted)
 
     def _steps(self, lay: SampleLayout) -> list[int]:
         if all(s is not None for s in lay.steps):

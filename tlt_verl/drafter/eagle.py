@@ -69,4 +69,5 @@ class EagleDrafter(nn.Module):
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits; for inspection and small vocabularies (training goes
         through the chunked soft cross-entropy instead)."""
-        return out @ self.lm_head_weight.T
+        # The head may be held in the rollout's dtype (bf16) while the drafter computes in fp32.
+        return out @ self.lm_head_weight.to(out.dtype).T

@@ -9,6 +9,25 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+# The dtypes a rollout may run the target in, by the names verl's configs and HF's config.json use.
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+def rollout_dtype(name: str | torch.dtype | None, target_config=None) -> torch.dtype:
+    """The dtype the target's embedding and LM head are held in by a drafter: the rollout's
+    (``name``), else the one the target's config.json names, else fp32."""
+    if name is None and target_config is not None:
+        name = getattr(target_config, "torch_dtype", None) or getattr(target_config, "dtype", None)
+    if name is None:
+        return torch.float32
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"rollout dtype {name!r}: must be one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 
@@ -27,9 +46,9 @@ def _files_holding(folder: Path) -> dict[str, Path]:
 
 
 def load_target_tensors(folder: str | Path, tie_word_embeddings: bool,
-                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding, LM head) of the target in ``folder``, as ``dtype`` CPU tensors; the same tensor
-    twice when the target ties them."""
+                        dtype: torch.dtype | None = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding, LM head) of the target in ``folder``, as ``dtype`` CPU tensors (None: as
+    stored); the same tensor twice when the target ties them."""
     folder = Path(folder)
     where = _files_holding(folder)
     if EMBED not in where:
@@ -39,9 +58,32 @@ def load_target_tensors(folder: str | Path, tie_word_embeddings: bool,
 
     def read(name: str) -> torch.Tensor:
         with safe_open(str(where[name]), framework="pt") as f:
-            return f.get_tensor(name).to(dtype)
+            t = f.get_tensor(name)
+            return t if dtype is None else t.to(dtype)
 
     embed = read(EMBED)
     # A tied checkpoint may still store the head; the model would use the embedding regardless.
     head = embed if tie_word_embeddings else read(LM_HEAD)
     return embed, head
+
+
+def copy_target_tensors(folder: str | Path, tie_word_embeddings: bool, embed_out: torch.Tensor,
+                        head_out: torch.Tensor, chunk_bytes: int = 64 << 20) -> None:
+    """Read the target's embedding and LM head into ``embed_out`` / ``head_out`` (any dtype and
+    device: cast and moved on the way), a few rows at a time: no full-size copy on the host."""
+    folder = Path(folder)
+    where = _files_holding(folder)
+    if EMBED not in where:
+        raise ValueError(f"target {folder}: no {EMBED} in its safetensors")
+    if LM_HEAD not in where and not tie_word_embeddings:
+        raise ValueError(f"target {folder}: no {LM_HEAD} in its safetensors and tie_word_embeddings is false")
+    names = ((EMBED, embed_out),) if tie_word_embeddings else ((EMBED, embed_out), (LM_HEAD, head_out))
+    for name, out in names:
+        with safe_open(str(where[name]), framework="pt") as f:
+            part = f.get_slice(name)
+            shape = tuple(part.get_shape())
+            if shape != tuple(out.shape):
+                raise ValueError(f"target {folder}: {name} has shape {shape}, expected {tuple(out.shape)}")
+            rows = max(1, chunk_bytes // max(1, shape[1] * 4))
+            for a in range(0, shape[0], rows):
+                out[a:a + rows].copy_(part[a:a + rows])

@@ -10,11 +10,16 @@ When the child dies the proxy says so once (a warning, ``restarts`` in the metri
 session's ``stop`` at once with the death as its error, and starts a new child in the background.
 The new one resumes from the last checkpoint this proxy saved or loaded (training since then is
 lost, nothing older; in-memory samples are not checkpointed, and the next actor update refills
-the buffer) and gets the latest target tensors; calls wait for it. verl's
+the buffer) and maps the latest target tensors; calls wait for it. verl's
 own checkpoints are untouched: the drafter's were written whole before verl marked the step.
 
 Messages are ``torch.save`` bytes: pickling tensors over a multiprocessing pipe would route them
 through shared-memory handles, whose lifetime is tied to a process that may be the one that died.
+The one exception is the target's embedding and LM head, which this process owns
+(``SharedTarget``: shared memory on CPU, CUDA IPC on GPU) and the child only maps: the child's
+death cannot free them, and a restarted child is handed a fresh handle. They exist only on a rank
+whose drafter trains, in the rollout's dtype; a weight sync rewrites them in place and sends the
+child a version number.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,12 +38,14 @@ import torch
 
 from tlt_verl.capture.staging import StagingBuffer
 from tlt_verl.spot.drafter_service import DrafterServiceConfig, _session_stats
+from tlt_verl.spot.shared_target import SharedTarget, TargetRef
 
 log = logging.getLogger(__name__)
 
 # DrafterService attributes a caller may reach through the pipe (methods, or properties read).
-CALLS = ("start_session", "stop", "set_target_tensors", "save_checkpoint", "load_checkpoint", "export",
-         "metrics", "add_samples", "state_version", "is_training", "aux_layer_ids", "target_digest")
+CALLS = ("start_session", "stop", "hold_target", "release_target", "save_checkpoint", "load_checkpoint", "export",
+         "metrics", "add_samples", "state_version", "is_training", "aux_layer_ids", "target_digest",
+         "target_version")
 # Errors the child's methods raise for a caller's mistake: re-raised here as themselves.
 ERRORS = {e.__name__: e for e in (ValueError, RuntimeError, TimeoutError, FileNotFoundError, KeyError)}
 
@@ -56,8 +65,9 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
-def _serve(conn, target_dir: str, cfg: dict, core: Optional[int]) -> None:
-    """The child: one DrafterService, answering calls in order until told to close or orphaned."""
+def _serve(conn, target_dir: str, cfg: dict, core: Optional[int], target: Optional[TargetRef] = None) -> None:
+    """The child: one DrafterService, answering calls in order until told to close or orphaned.
+    ``target``: the host's shared target tensors, mapped here (None: a drafter that does not train)."""
     from tlt_verl.spot.drafter_service import DrafterService
 
     if core is not None and hasattr(os, "sched_setaffinity"):
@@ -65,7 +75,9 @@ def _serve(conn, target_dir: str, cfg: dict, core: Optional[int]) -> None:
         os.sched_setaffinity(0, {core})
         torch.set_num_threads(1)
     try:
-        svc = DrafterService(target_dir, DrafterServiceConfig.from_dict(cfg), capture=False)
+        shared = None if target is None else (*target.open(), target.version)
+        svc = DrafterService(target_dir, DrafterServiceConfig.from_dict({**cfg, "holds_target": False}),
+                             capture=False, shared=shared)
     except BaseException as e:
         conn.send_bytes(_dumps(("error", type(e).__name__, str(e))))
         return
@@ -106,10 +118,6 @@ def stage_message_bytes(budget_bytes: int | None) -> int:
     return max(1 << 20, min(STAGE_MESSAGE_BYTES, budget_bytes // 4))
 
 
-def _same(held: torch.Tensor, new: torch.Tensor) -> bool:
-    return held.shape == new.shape and held.dtype == new.dtype and torch.equal(held, new.detach().to("cpu"))
-
-
 class DrafterProcess:
     def __init__(self, target_dir: str, cfg: DrafterServiceConfig, core: Optional[int] = None,
                  start_timeout_s: float = 300.0, capture: bool = True):
@@ -126,7 +134,9 @@ class DrafterProcess:
         self._ready = threading.Event()
         self._failure: Optional[str] = None       # why the last restart failed
         self._proc = self._conn = None
-        self._target: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        # One writer of the shared target at a time; and no digest read while it is rewritten.
+        self._target_lock = threading.Lock()
+        self._target = self._shared_target(cfg) if capture else None
         self._last_checkpoint: Optional[str] = None
         self._session: Optional[tuple[str, int, int, int]] = None
         self.restarts = 0
@@ -139,10 +149,24 @@ class DrafterProcess:
 
     # ------------------------------------------------------------------ the child
 
+    def _shared_target(self, cfg: DrafterServiceConfig) -> SharedTarget:
+        """The target's embedding and LM head in the rollout's dtype on the drafter's device, read
+        from the checkpoint until the first weight sync overwrites them."""
+        from transformers import AutoConfig
+
+        from tlt_verl.drafter.target_weights import rollout_dtype
+
+        tc = AutoConfig.from_pretrained(self._target_dir)
+        tied = bool(getattr(tc, "tie_word_embeddings", False))
+        target = SharedTarget(tc.vocab_size, tc.hidden_size, rollout_dtype(cfg.target_dtype, tc), cfg.device, tied)
+        target.load(self._target_dir, tied)
+        return target
+
     def _spawn(self) -> tuple[int, tuple[int, ...]]:
         ctx = mp.get_context("spawn")            # a forked child would inherit the actor's threads
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, self._target_dir, self.cfg.to_dict(), self._core),
+        ref = None if self._target is None else self._target.ref()
+        proc = ctx.Process(target=_serve, args=(child, self._target_dir, self.cfg.to_dict(), self._core, ref),
                            name="tlt-drafter", daemon=True)
         proc.start()
         child.close()
@@ -199,8 +223,6 @@ class DrafterProcess:
                     res = self._rpc("load_checkpoint", self._last_checkpoint)
                     print(f"tlt: drafter process {self.pid} resumed from {res.path or res.reason} "
                           f"(state version {res.state_version})", flush=True)
-                if self._target is not None:
-                    self._rpc("set_target_tensors", *self._target)
             self._failure = None
         except BaseException as e:
             self._failure = f"{type(e).__name__}: {e}".splitlines()[0]
@@ -256,22 +278,50 @@ class DrafterProcess:
         return {**stats, "stopped": True, "error": reason, "timed_out": False, "state_version": 0}
 
     def set_target_tensors(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
-        """Takes ownership of host tensors (the caller must not change them afterwards). Sent once per change: an unchanged embedding and LM head (frozen, or a sync of the same
-        weights) cost a comparison, not a copy through the pipe."""
-        if self._target is not None and _same(self._target[0], embed) and _same(self._target[1], lm_head):
-            return
-        # Host tensors are taken as they are (the adapter hands over copies of its own); only
-        # device tensors are copied here.
-        e = embed.detach().to("cpu")
-        h = e if lm_head is embed else lm_head.detach().to("cpu")
-        self._target = (e, h)                  # a restart applies the latest
-        if self._ready.is_set():
-            self._call("set_target_tensors", e, h)
+        """The target's embedding and LM head after a weight sync, written into the shared segment
+        the child reads (cast to the rollout's dtype on the way) while the child holds; the child
+        is then told the new version. Nothing of the tensors crosses the pipe, and unchanged
+        values (frozen, or a sync of the same weights) are compared, not copied: the version stays.
+        The caller keeps its tensors. Only a rank whose drafter trains holds the target."""
+        with self.target_update() as write:
+            write("embed", embed)
+            write("lm_head", lm_head)
+
+    @contextmanager
+    def target_update(self) -> Iterator[Callable[[str, torch.Tensor], None]]:
+        """A weight sync's embedding and LM head written straight into the shared segment as the
+        weight stream passes them (``write("embed" | "lm_head", tensor)``, any device and dtype):
+        no host copy of the stream first. The child holds for the duration and is told the new
+        version at the end."""
+        if self._target is None:
+            raise RuntimeError("set_target_tensors: this rank's drafter does not train and holds no target tensors")
+        with self._target_lock:
+            self._call("hold_target")
+            try:
+                yield self._target.write_part
+            finally:
+                self._target.commit()
+                # A child restarted meanwhile mapped the segment as written so far; this release
+                # (retried on it) names the version it holds now.
+                self._call("release_target", self._target.version)
+
+    @property
+    def target_version(self) -> int:
+        """Version of the target tensors this rank holds (0: none, a rank that does not train);
+        each weight sync that changes them adds one."""
+        return 0 if self._target is None else self._target.version
+
+    @property
+    def target_bytes_copied(self) -> int:
+        """Bytes written into the shared target since this drafter started (the checkpoint's, then
+        each changed sync's)."""
+        return 0 if self._target is None else self._target.bytes_copied
 
     def target_digest(self) -> str:
-        """As ``DrafterService.target_digest``: of the tensors the child holds (after a restart, the
-        latest handed in, re-applied)."""
-        return self._call("target_digest")
+        """As ``DrafterService.target_digest``: of the tensors the child reads (after a restart, the
+        same shared ones)."""
+        with self._target_lock:
+            return self._call("target_digest")
 
     def save_checkpoint(self, directory: str | Path, global_step: int, wait: bool = True) -> Path:
         """Written before this returns (``wait`` is accepted for DrafterService's signature)."""
@@ -307,3 +357,4 @@ class DrafterProcess:
             self._proc.join(timeout_s)
             if self._proc.is_alive():
                 self._proc.kill()
+        self._target = None                      # the child is gone: nothing maps the segment now

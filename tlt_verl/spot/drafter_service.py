@@ -20,6 +20,12 @@ Everything else that touches the state (new target tensors from the per-step wei
 checkpoint snapshot, an export) happens at a micro-step boundary of the training thread while a
 session runs, or at once when none does, so no micro-step ever sees a half-swapped target and no
 snapshot a half-applied optimizer step.
+
+The target's embedding and LM head are held in the rollout's dtype (``target_dtype``), and only
+by a drafter that trains: one built with ``holds_target=False`` binds zero-byte stand-ins and
+refuses sessions. A drafter in a child process reads its host's segment in place
+(``shared_target``): the host holds it (``hold_target``) while it rewrites the segment and hands
+the new version over with ``release_target``.
 """
 from __future__ import annotations
 
@@ -42,12 +48,15 @@ from tlt_verl.drafter import DrafterConfig, build_drafter
 from tlt_verl.drafter.checkpoint import CheckpointError, CheckpointManager, SaveHandle, load_latest, snapshot
 from tlt_verl.drafter.export import LAYOUTS, export_drafter, load_drafter, read_drafter_config
 from tlt_verl.drafter.reducer import BACKEND_OF_DEVICE, LocalReducer, SessionAborted, SpotSession
-from tlt_verl.drafter.target_weights import load_target_tensors
+from tlt_verl.drafter.target_weights import DTYPES, load_target_tensors, rollout_dtype
 from tlt_verl.drafter.trainer import DrafterTrainer, TrainerConfig
 
 log = logging.getLogger(__name__)
 
 PREFIX = "tlt/drafter/"
+# How long a held target may stay held before the training thread gives up on it (the host
+# rewrites it in about a second; longer means the host is gone or stuck).
+HOLD_TIMEOUT_S = 600.0
 # TrainerConfig fields every member of a session must share: they decide the update each member
 # applies (lr schedule, optimizer, clipping) and how many collectives a step runs (grad_accum).
 # The data-side fields (seed, tokens per micro-batch, recency) may differ per member.
@@ -65,6 +74,8 @@ class DrafterServiceConfig:
     init_seed: int = 0                      # drafter init when there is no ``init``
     device: str = "cpu"                     # "cpu", "cuda" or "cuda:<n>"
     idle_poll_s: float = 0.05               # session with no data anywhere: re-check period
+    target_dtype: str | None = None         # the rollout's dtype; None: the target's config.json's
+    holds_target: bool = True               # False: no target tensors (a rank that never trains)
 
     def __post_init__(self):
         def need(cond: bool, msg: str):
@@ -85,6 +96,9 @@ class DrafterServiceConfig:
         need(isinstance(self.device, str) and (self.device in ("cpu", "cuda") or self.device.startswith("cuda:")),
              f"device={self.device!r}: must be 'cpu', 'cuda' or 'cuda:<n>'")
         need(self.idle_poll_s > 0, f"idle_poll_s={self.idle_poll_s}: must be > 0")
+        need(self.target_dtype is None or self.target_dtype in DTYPES,
+             f"target_dtype={self.target_dtype!r}: must be None or one of {', '.join(DTYPES)}")
+        need(isinstance(self.holds_target, bool), f"holds_target={self.holds_target!r}: must be a bool")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "trainer": self.trainer.to_dict(), "buffer": asdict(self.buffer)}
@@ -127,6 +141,67 @@ def tensor_digest(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+class _Slot:
+    """Where a broadcast tensor goes back into a state skeleton."""
+
+    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype):
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+
+# A skeleton is read with torch.load(weights_only=True): slots are the one class it may hold.
+torch.serialization.add_safe_globals([_Slot])
+
+
+def split_state(state: Any, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
+    """(skeleton, tensors): ``state`` with each tensor on ``device`` holding more than one element
+    replaced by a ``_Slot``, and those tensors in order. Scalars (Adam's step counts, kept on the
+    host) stay in the skeleton."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(x):
+        if isinstance(x, torch.Tensor) and x.numel() > 1 and x.device == device:
+            tensors.append(x.detach().contiguous())
+            return _Slot(len(tensors) - 1, tuple(x.shape), x.dtype)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(state), tensors
+
+
+def skeleton_specs(skeleton: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each slot, in order."""
+    slots: list[_Slot] = []
+
+    def walk(x):
+        if isinstance(x, _Slot):
+            slots.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(skeleton)
+    return [(s.shape, s.dtype) for s in sorted(slots, key=lambda s: s.index)]
+
+
+def join_state(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    def walk(x):
+        if isinstance(x, _Slot):
+            return tensors[x.index]
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(skeleton)
+
+
 def _check_model_dir(path: str | Path, what: str) -> Path:
     p = Path(path)
     if not (p / "config.json").is_file():
@@ -141,10 +216,19 @@ def _session_stats(session_id: str, rank: int, size: int, source_rank: int) -> d
             "stopped": False, "aborted": None, "error": None}
 
 
+def _stand_ins(vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-byte [vocab, hidden] tensor (stride 0): satisfies the drafter's shape checks without
+    holding the target's tensors."""
+    return torch.zeros(1, hidden_size, dtype=dtype, device=device).expand(vocab_size, hidden_size)
+
+
 class DrafterService:
-    def __init__(self, target_dir: str, cfg: DrafterServiceConfig | None = None, capture: bool = True):
+    def __init__(self, target_dir: str, cfg: DrafterServiceConfig | None = None, capture: bool = True,
+                 shared: tuple[torch.Tensor, torch.Tensor, int] | None = None):
         """``capture``: fill the buffer from this process's actor update (verl_capture);
-        False: the buffer is filled through ``add_samples`` (a service hosted in a child process)."""
+        False: the buffer is filled through ``add_samples`` (a service hosted in a child process).
+        ``shared``: (embed, lm_head, version) to read in place, owned by another process
+        (``shared_target``); None: read from ``target_dir`` (unless ``cfg.holds_target`` is False)."""
         from transformers import AutoConfig
 
         self.cfg = cfg = cfg or DrafterServiceConfig()
@@ -158,7 +242,16 @@ class DrafterService:
                 raise ValueError(f"DrafterServiceConfig.init={cfg.init!r}: is an {init_kind} drafter, "
                                  f"but kind={cfg.kind!r}")
         self.device = torch.device(cfg.device)
-        embed, head = load_target_tensors(target, bool(getattr(target_config, "tie_word_embeddings", False)))
+        self.target_dtype = rollout_dtype(cfg.target_dtype, target_config)
+        self.target_version = 0                # of the target tensors bound; 0: none (stand-ins)
+        if shared is not None:
+            embed, head, self.target_version = shared
+        elif cfg.holds_target:
+            embed, head = load_target_tensors(target, bool(getattr(target_config, "tie_word_embeddings", False)),
+                                              self.target_dtype)
+            self.target_version = 1
+        else:
+            embed = head = _stand_ins(drafter_cfg.vocab_size, drafter_cfg.hidden_size, self.target_dtype, self.device)
         # Seeded without disturbing the actor's own random stream.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
@@ -181,7 +274,10 @@ class DrafterService:
         self.trainer = DrafterTrainer(self.drafter, self.buffer, cfg.trainer, reducer=LocalReducer())
 
         self._lock = threading.Lock()
+        self._gate = threading.Event()         # cleared while the target's owner rewrites it
+        self._gate.set()
         self._active = False                  # a session thread exists (joining, adopting or training)
+        self._training = False                # ... and it has reached its training loop
         self._pending_target: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_ops: list[tuple[Callable[[], Any], Future]] = []
         self._thread: threading.Thread | None = None
@@ -209,8 +305,17 @@ class DrafterService:
     def target_digest(self) -> str:
         """``tensor_digest(embed, lm_head)`` of the target tensors the drafter trains with now (new
         ones handed in during a session count from the micro-step boundary that binds them)."""
+        if not self.target_version:
+            raise RuntimeError("target_digest: this drafter holds no target tensors (it does not train)")
         t = self.drafter.target
         return self._at_boundary(lambda: tensor_digest(t.embed_weight, t.lm_head_weight))
+
+    @property
+    def target_bytes(self) -> int:
+        """Bytes of the target tensors the drafter is bound to (0 for stand-ins; shared ones count)."""
+        t = self.drafter.target
+        tensors = {x.data_ptr(): x for x in (t.embed_weight, t.lm_head_weight) if x.stride()[0] != 0}
+        return sum(x.numel() * x.element_size() for x in tensors.values())
 
     def add_samples(self, samples: list[tuple]) -> int:
         """Store captured samples (``DataBuffer.add`` arguments, oldest first); returns the buffer size."""
@@ -226,6 +331,14 @@ class DrafterService:
 
     def _boundary(self) -> None:
         """Runs on the training thread before every micro-step."""
+        self._take_and_apply()
+        if not self._gate.is_set():
+            # The target's owner is rewriting it in place: no micro-step may read it until it is done.
+            if not self._gate.wait(HOLD_TIMEOUT_S):
+                raise RuntimeError(f"target tensors held for {HOLD_TIMEOUT_S:.0f}s without a release")
+            self._take_and_apply()
+
+    def _take_and_apply(self) -> None:
         with self._lock:
             target, self._pending_target = self._pending_target, None
             ops, self._pending_ops = self._pending_ops, []
@@ -252,19 +365,39 @@ class DrafterService:
 
     def set_target_tensors(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """The target's current embedding and LM head (after an RL step's weight sync). Copied now,
-        used from the next micro-step on; the caller may free or overwrite its tensors."""
+        in the rollout's dtype, and used from the next micro-step on; the caller may free or
+        overwrite its tensors. (A drafter in a child process reads its host's copy in place
+        instead: ``hold_target`` / ``release_target``.)"""
         want = (self.drafter.cfg.vocab_size, self.drafter.cfg.hidden_size)
         for name, t in (("embed", embed), ("lm_head", lm_head)):
             if tuple(t.shape) != want:
                 raise ValueError(f"set_target_tensors: {name} has shape {tuple(t.shape)}, the drafter expects {want}")
-        dtype = self.drafter.target.embed_weight.dtype
+        dtype = self.target_dtype
         e = embed.detach().to(self.device, dtype, copy=True)
         h = e if lm_head is embed else lm_head.detach().to(self.device, dtype, copy=True)
         with self._lock:
+            self.target_version += 1
             if self._active:
                 self._pending_target = (e, h)      # only the latest matters
                 return
             self.drafter.target.bind(e, h)
+
+    def hold_target(self) -> None:
+        """From when this returns until ``release_target``, no micro-step reads the target tensors:
+        their owner (the host process) rewrites them in place. A running session parks at its next
+        micro-step boundary; one started meanwhile parks at its first."""
+        with self._lock:
+            self._gate.clear()
+            if not self._training:
+                return                          # not past its first boundary yet: it will park there
+            reached: Future = Future()
+            self._pending_ops.append((lambda: None, reached))
+        reached.result()
+
+    def release_target(self, version: int) -> None:
+        """The owner has written version ``version`` of the shared target tensors: reads resume."""
+        self.target_version = int(version)
+        self._gate.set()
 
     # ------------------------------------------------------------------ sessions
 
@@ -277,6 +410,9 @@ class DrafterService:
             raise ValueError(f"start_session: rank={rank}, size={size}: need 0 <= rank < size")
         if not 0 <= source_rank < size:
             raise ValueError(f"start_session: source_rank={source_rank}: not a member of a {size}-rank session")
+        if not self.target_version:
+            raise RuntimeError(f"start_session {session_id}: this drafter holds no target tensors "
+                               f"(a rank whose drafter does not train)")
         with self._lock:
             if self._active:
                 raise RuntimeError(f"start_session {session_id}: session {self._stats.get('session_id')} "
@@ -301,6 +437,8 @@ class DrafterService:
             t2 = time.perf_counter()
             stats.update(join_s=t1 - t0, broadcast_s=t2 - t1)
             self.trainer.reducer = session
+            with self._lock:
+                self._training = True
             while True:
                 res = self.trainer.train(stop=self._stop, on_step=self._on_step, before_micro=self._boundary)
                 stats["discarded_micro_steps"] += res.discarded_micro_steps
@@ -324,7 +462,7 @@ class DrafterService:
             # Requests queued after the last micro-step run here, under the lock, so a request
             # arriving now (applied at once) cannot be overtaken by an older queued one.
             with self._lock:
-                self._active = False
+                self._active = self._training = False
                 target, self._pending_target = self._pending_target, None
                 ops, self._pending_ops = self._pending_ops, []
                 self._apply(target, ops)
@@ -332,37 +470,55 @@ class DrafterService:
     def _adopt(self, session: SpotSession, source_rank: int) -> None:
         """Every member takes the source's weights, optimizer state and step (not its data cursor:
         that indexes the source's own buffer). A member that cannot (a different drafter or
-        trainer config) makes the whole session fail, agreed by all, rather than hang it."""
+        trainer config) makes the whole session fail, agreed by all, rather than hang it.
+
+        The state moves as its tensors: the source broadcasts a small skeleton (the state with
+        each large tensor replaced by its shape and dtype), the members check it and agree, then
+        every large tensor is broadcast on its own, on the drafter's device, with no
+        serialisation of the weights and optimizer moments."""
         if session.size == 1:
             return
-        payload = None
+        skeleton, tensors = None, []
         if session.rank == source_rank:
+            skeleton, tensors = split_state(self.trainer.state_dict(), self.device)
             buf = io.BytesIO()
-            torch.save(self.trainer.state_dict(), buf)
+            torch.save(skeleton, buf)              # kilobytes: no tensor of the state is in it
             payload = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-        n = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+        n = torch.tensor([0 if skeleton is None else payload.numel()], dtype=torch.int64)
         session.broadcast_(n, source_rank)
-        if payload is None:
+        if skeleton is None:
             payload = torch.empty(int(n.item()), dtype=torch.uint8)
         session.broadcast_(payload, source_rank)
         error = None
         if session.rank != source_rank:
             try:
-                state = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
-                mine, theirs = self.trainer.cfg.to_dict(), state["trainer_config"]
+                skeleton = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
+                mine, theirs = self.trainer.cfg.to_dict(), skeleton["trainer_config"]
                 diff = [k for k in SHARED_TRAINER_FIELDS if mine[k] != theirs[k]]
                 if diff:
                     raise ValueError(f"TrainerConfig.{diff[0]}={mine[diff[0]]!r} differs from the source "
                                      f"member's {theirs[diff[0]]!r}")
-                self.trainer.load_state_dict({**state, "cursor": self.trainer.cursor})
+                d = skeleton["drafter_config"]
+                theirs_cfg = DrafterConfig(**{**d, "aux_layer_ids": tuple(d["aux_layer_ids"])})
+                if theirs_cfg != self.drafter.cfg:
+                    diff = [k for k in d if getattr(theirs_cfg, k) != getattr(self.drafter.cfg, k)]
+                    raise ValueError(f"drafter config differs from the source member's in {', '.join(diff)}")
             except (ValueError, KeyError, RuntimeError) as e:
                 error = e
+        # Agreed before any tensor moves: a member that cannot adopt would leave the others
+        # waiting in a broadcast it never joins.
         failed = session.all_reduce_max_(torch.tensor([0 if error is None else 1], dtype=torch.int32))
         if error is not None:
             raise ValueError(f"session {session.session_id}: cannot adopt rank {source_rank}'s drafter: {error}")
         if failed.item():
             raise RuntimeError(f"session {session.session_id}: another member could not adopt rank "
                                f"{source_rank}'s drafter")
+        if session.rank != source_rank:
+            tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in skeleton_specs(skeleton)]
+        for t in tensors:
+            session.broadcast_(t, source_rank)
+        if session.rank != source_rank:
+            self.trainer.load_state_dict({**join_state(skeleton, tensors), "cursor": self.trainer.cursor})
 
     def _on_step(self, step: int, m: dict) -> None:
         s, c = self._stats, self._counts
@@ -474,6 +630,7 @@ class DrafterService:
             "buffer_samples": len(self.buffer), "buffer_bytes": self.buffer.memory_bytes + self.buffer.spill_bytes,
             "stop_latency_s": self._last_stop_latency if self._last_stop_latency is not None else nan,
             "training": int(self.is_training),
+            "target_bytes": self.target_bytes, "target_version": self.target_version,
         }
         return {PREFIX + k: float(v) for k, v in out.items()}
 
