@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from _subproc import child_main, run_in_subprocess  # noqa: E402
 # A long tail: most requests short, two long; the batch shrinks from 12 to 2.
 MAX_TOKENS = [6, 8, 10, 6, 12, 8, 10, 6, 8, 12, 96, 120]
 MAX_SEQS = 16
+# What vLLM learns about the test target's class (engine_dirs.py), named by its class.
+TARGET_CLASS_INFO = "-LlamaForCausalLM.json"
 
 
 def _rollout_config(**custom):
@@ -122,6 +125,10 @@ async def _scenario(spec: dict) -> dict:
         # verl's lifecycle: asleep, every write into the engine and every generate is refused.
         await server.sleep()
         res["asleep"] = server.lifecycle_state()
+        # As a GPU's level-2 sleep does, the CPU sleep dropped the drafter's weights (in the
+        # background; a checksum through the server waits for it).
+        res["sha_dropped"] = await checksum("drafter")
+        res["dropped_reported"] = server.dropped_drafter_sha
         res["refused"] = {}
         for what, call in {
             "generate": lambda: rollout(server, "asleep"),
@@ -191,8 +198,19 @@ def scenario(tmp_path_factory):
     root = tmp_path_factory.mktemp("server_sd")
     target = write_target(str(root / "target"))
     drafter = write_eagle1_drafter(target, str(root / "drafter"), bigram=True)
+    # A shared model-info folder of its own, holding what every engine of this machine learned
+    # but the target's class: the plain engine must learn that one and leave it there.
+    from tlt_verl.rollout.engine.engine_dirs import MODELINFO_DIR_ENV, shared_modelinfo_dir
+
+    shared = root / "modelinfos"
+    shared.mkdir()
+    for f in shared_modelinfo_dir().glob("*.json") if shared_modelinfo_dir().is_dir() else ():
+        if not f.name.endswith(TARGET_CLASS_INFO):
+            shutil.copy(f, shared / f.name)
     res = run_in_subprocess(__file__, {"target": target, "drafter": drafter}, root,
-                            env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VERL_RAY_JOB_ID": f"test{os.getpid()}"})
+                            env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VERL_RAY_JOB_ID": f"test{os.getpid()}",
+                                       MODELINFO_DIR_ENV: str(shared)})
+    res["shared_modelinfos"] = str(shared.resolve())
     res.update(drafter=drafter, target=target)
     return res
 
@@ -246,6 +264,8 @@ def test_drafter_push_and_target_reload_through_the_server(scenario):
     # checksum reads the weights back through the engine's kernels), the original comes back
     # exactly, and neither reload touched the other model.
     assert scenario["sha_push"] == before["drafter"] == after["drafter"] == scenario["sha_restored"]
+    # The sleep really dropped the drafter, so the equality above is the restore's doing.
+    assert scenario["sha_dropped"] == scenario["dropped_reported"] != before["drafter"]
     assert scenario["sha_alt"] != before["target"]
     assert before["target"] == after["target"]
     assert before["drafter"] != before["target"]
@@ -260,8 +280,9 @@ def test_sleeping_server_refuses_generate_reload_and_push(scenario):
     assert "weights" in scenario["refused"]["reload"]
     # Weights woken, KV cache not yet: still no generate.
     assert "kv_cache released" in scenario["half_awake_generate"]
-    assert scenario["woken"] == {"released": [], "drafter_lost": False, "drafter_restores": 1}
-    assert scenario["awake"] == {"released": [], "drafter_lost": False, "drafter_restores": 1}
+    assert scenario["asleep"]["drafter_lost"] is True
+    restored = {"released": [], "drafter_lost": False, "drafter_restores": 1, "drafter_drops": 1}
+    assert scenario["woken"] == scenario["awake"] == restored
 
 
 @pytest.mark.slow
@@ -295,8 +316,9 @@ def test_engine_learns_the_model_class_into_the_shared_cache(scenario):
     # The server's own cache root is private; what vLLM learned about the target's class is in the
     # folder every engine shares, so the next engine with a fresh root does not learn it again.
     info = scenario["modelinfos"]
-    assert info["link"] == info["shared"]
-    assert any(f.endswith("LlamaForCausalLM.json") for f in info["files"]), info
+    assert info["link"] == info["shared"] == scenario["shared_modelinfos"]
+    # Not there before the test's engines started (the fixture left it out).
+    assert any(f.endswith(TARGET_CLASS_INFO) for f in info["files"]), info
 
 
 @pytest.mark.slow

@@ -95,11 +95,7 @@ def reload_drafter(model_runner, path: str, expected: dict[str, list]) -> dict:
     driver has already validated the file, so a failure here means it changed in between. The
     check runs before anything in the model is touched; the old drafter keeps serving.
     """
-    from vllm.model_executor.model_loader.reload import layerwise
-
-    init = require_attr(layerwise, "initialize_layerwise_reload", WHAT)
-    finalize = require_attr(layerwise, "finalize_layerwise_reload", WHAT)
-    model = drafter_module(model_runner)
+    drafter_module(model_runner)   # no drafter: raises before the file is read
     try:
         state = load_file(path)
     except Exception as e:  # noqa: BLE001 - reported to the driver, see docstring
@@ -107,10 +103,31 @@ def reload_drafter(model_runner, path: str, expected: dict[str, list]) -> dict:
     problem = check_tensors(state, expected)
     if problem is not None:
         return {"ok": False, "error": f"{path}: {problem}"}
+    _load(model_runner, state)
+    return {"ok": True, "sha256": drafter_checksum(model_runner)}
+
+
+def drop_drafter(model_runner, expected: dict[str, list]) -> dict:
+    """On a CPU, what a level-2 sleep does to the drafter on a GPU: its own weights are gone (zeros
+    here; on a GPU, whatever the allocator hands back at the wake). Only the drafter's: verl's sync
+    writes the target's again at every wake, and nothing but the server's restore writes the
+    drafter's, so a CPU run takes the restore path a GPU run depends on."""
+    _load(model_runner, {name: torch.zeros(shape, dtype=getattr(torch, dtype))
+                         for name, (dtype, shape) in expected.items()})
+    return {"ok": True, "sha256": drafter_checksum(model_runner)}
+
+
+def _load(model_runner, state: dict[str, torch.Tensor]) -> None:
+    """`state` into the drafter in place, through vLLM's layerwise reload (which packs the CPU
+    kernels' weights again, as the first load did)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    init = require_attr(layerwise, "initialize_layerwise_reload", WHAT)
+    finalize = require_attr(layerwise, "finalize_layerwise_reload", WHAT)
+    model = drafter_module(model_runner)
     init(model)
     model.load_weights(iter(state.items()))
     finalize(model, model_runner.model_config)
-    return {"ok": True, "sha256": drafter_checksum(model_runner)}
 
 
 class DrafterExtension:
@@ -118,6 +135,9 @@ class DrafterExtension:
 
     def tlt_reload_drafter_weights(self, path: str, expected: dict) -> dict:
         return reload_drafter(self.model_runner, path, expected)
+
+    def tlt_drop_drafter_weights(self, expected: dict) -> dict:
+        return drop_drafter(self.model_runner, expected)
 
     def tlt_weights_checksum(self, which: str) -> str:
         return CHECKSUMS[which](self.model_runner)

@@ -60,7 +60,10 @@ class VllmServer:
         self._drafter_sha: Optional[str] = None
         self._restore_lock = asyncio.Lock()
         self._restore_task: Optional[asyncio.Task] = None
+        self._drop_task: Optional[asyncio.Task] = None
         self.drafter_restores = 0
+        self.drafter_drops = 0          # CPU sleeps that dropped the drafter as a GPU sleep does
+        self.dropped_drafter_sha: Optional[str] = None
         # The engine core is a child process: it inherits these (thread binding, socket and
         # cache folders kept out of shared paths). verl's weight receiver in the engine's workers
         # names its socket from the last two, as verl's own server sets them.
@@ -318,6 +321,7 @@ class VllmServer:
         replaced it already; otherwise it is reloaded from the file it last came from.
         """
         async with self._restore_lock:
+            await self._await_drop()
             if not self._drafter_lost:
                 return
             spec = self.engine.vllm_config.speculative_config
@@ -341,10 +345,24 @@ class VllmServer:
             self._restore_task = asyncio.create_task(self._restore_drafter())
 
     async def _await_restore(self) -> None:
-        """Wait for a background restore to finish; its error, if any, is raised here."""
+        """Wait for a background drop or restore to finish; its error, if any, is raised here."""
+        await self._await_drop()
         task, self._restore_task = self._restore_task, None
         if task is not None:
             await task
+
+    async def _await_drop(self) -> None:
+        task, self._drop_task = self._drop_task, None
+        if task is not None:
+            await task
+
+    async def _drop_drafter(self) -> None:
+        """A CPU engine cannot sleep; its drafter is dropped as a GPU sleep drops it
+        (drafter_reload.drop_drafter), so that every CPU run restores it the way a GPU run must.
+        In the background: the sleep ends the step's rollout, and the trainer's update follows."""
+        reports = await self.engine.collective_rpc("tlt_drop_drafter_weights", args=(self._manifest().tensors,))
+        self.dropped_drafter_sha = reports[0]["sha256"]
+        self.drafter_drops += 1
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
@@ -354,7 +372,8 @@ class VllmServer:
     # weights before its weight sync and the KV cache after it. On GPU the engine shares its
     # devices with the actor and really sleeps; vLLM cannot sleep on CPU, but the state is kept the
     # same way and a generate, reload or push while asleep is refused, so a lifecycle mistake that
-    # would write into unmapped GPU memory fails a CPU test.
+    # would write into unmapped GPU memory fails a CPU test; and the drafter's weights are dropped
+    # as a GPU sleep drops them, so that every CPU run depends on the restore as a GPU run does.
 
     def _sleeps_engine(self) -> bool:
         import torch
@@ -393,10 +412,12 @@ class VllmServer:
         self._released = set(SLEEP_TAGS)
         # Level 2 keeps nothing: the drafter has to come back (see _restore_drafter).
         self._drafter_lost = SLEEP_LEVEL == 2 and self._serves_drafter()
+        if self._drafter_lost and not self._sleeps_engine():
+            self._drop_task = asyncio.create_task(self._drop_drafter())
 
     def lifecycle_state(self) -> dict[str, Any]:
         return {"released": sorted(self._released), "drafter_lost": self._drafter_lost,
-                "drafter_restores": self.drafter_restores}
+                "drafter_restores": self.drafter_restores, "drafter_drops": self.drafter_drops}
 
     async def clear_kv_cache(self) -> None:
         await self.engine.reset_prefix_cache()
@@ -433,9 +454,10 @@ class VllmServer:
     def shutdown(self) -> None:
         if self.sd_loop is not None:
             self.sd_loop.cancel()
-        if self._restore_task is not None:
-            self._restore_task.cancel()
-            self._restore_task = None
+        for task in (self._restore_task, self._drop_task):
+            if task is not None:
+                task.cancel()
+        self._restore_task = self._drop_task = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
