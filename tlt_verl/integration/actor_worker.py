@@ -41,8 +41,10 @@ class TLTActorRolloutRefWorker(ActorRolloutRefWorker):
         target = self.config.model.get("local_path") or self.config.model.path
         self._tlt_replica = int(replica_of_rank[str(self.rank)])
         core = _core_of(self._tlt_replica) if self._device() == "cpu" else None
-        # The drafter trains on this rank's own device (bf16 autocast, NCCL sessions on a GPU).
-        service_config = {**service_config, "device": self._rank_device()}
+        # The drafter trains on this rank's own device (bf16 autocast, NCCL sessions on a GPU), and
+        # holds the target's embedding and LM head in the dtype the rollout runs the target in.
+        rollout_dtype = self.config.rollout.get("dtype") if "rollout" in self.config else None
+        service_config = {**service_config, "device": self._rank_device(), "target_dtype": rollout_dtype}
         # A drafter that never trains reads nothing from the actor update: no capture, no staging.
         trains = trains_drafter(train_drafter, self._device())
         self._tlt_service = DrafterProcess(str(target), DrafterServiceConfig.from_dict(service_config), core=core,
