@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -92,8 +93,12 @@ def _percentiles(values: list[int]) -> dict:
             "p90": pct(0.9), "p99": pct(0.99), "max": ordered[-1]}
 
 
-def measure_lengths(model_dir: str | Path, n: int, seed: int, max_tokens: int, temperature: float = 1.0) -> dict:
-    """Response lengths of the target at ``temperature`` with vLLM (the rollout engine)."""
+def measure_lengths(model_dir: str | Path, n: int, seed: int, max_tokens: int, temperature: float = 1.0,
+                    budget_s: float | None = None) -> dict:
+    """Response lengths of the target at ``temperature`` with vLLM (the rollout engine). With
+    ``budget_s``, the requests still running when it is spent are stopped and counted at the length
+    they had reached (``censored``: their true length is at least that), so a slow or crowded
+    machine still gives the distribution's body and a lower bound on its tail."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
@@ -103,27 +108,43 @@ def measure_lengths(model_dir: str | Path, n: int, seed: int, max_tokens: int, t
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pairs = generate_conversations(n, seed)
     prompts = chat_prompts(tokenizer, [m for _, m in pairs])
-    llm = offline_llm(str(model_dir))
+    engine = offline_llm(str(model_dir)).llm_engine
     params = SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=max_tokens)
+    # Stepped by hand rather than LLM.generate, which returns nothing until every request is done.
+    ids = {str(i): i for i in range(n)}
+    for rid, i in ids.items():
+        engine.add_request(rid, {"prompt_token_ids": prompts[i]}, params)
+    lengths, finish = [0] * n, [None] * n
+    # On a shared box the throughput depends on what else runs: the load is part of the record.
+    load_before = os.getloadavg()
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    deadline = None if budget_s is None else start + budget_s
+    while engine.has_unfinished_requests() and (deadline is None or time.perf_counter() < deadline):
+        for out in engine.step():
+            i = ids[out.request_id]
+            lengths[i] = len(out.outputs[0].token_ids)
+            if out.finished:
+                finish[i] = out.outputs[0].finish_reason
     seconds = time.perf_counter() - start
-    lengths = [len(o.outputs[0].token_ids) for o in outs]
-    capped = [o.outputs[0].finish_reason == "length" for o in outs]
+    censored = [i for i in range(n) if finish[i] is None]
+    if censored:
+        engine.abort_request([rid for rid, i in ids.items() if finish[i] is None])
     by_kind: dict[str, list[int]] = {}
     for (kind, _), length in zip(pairs, lengths):
         by_kind.setdefault(kind, []).append(length)
     overall = _percentiles(lengths)
     return {
         "model": str(model_dir), "n": n, "seed": seed, "temperature": temperature, "max_tokens": max_tokens,
-        "generate_s": round(seconds, 1), "tokens": sum(lengths), "capped_at_max_tokens": sum(capped),
+        "budget_s": budget_s, "generate_s": round(seconds, 1), "tokens": sum(lengths),
+        "load_avg_1m": [round(load_before[0], 1), round(os.getloadavg()[0], 1)], "cpus": os.cpu_count(),
+        "capped_at_max_tokens": sum(f == "length" for f in finish), "censored_at_budget": len(censored),
         "prompt_len": _percentiles([len(p) for p in prompts]),
         "response_len": overall,
         "max_over_median": round(overall["max"] / max(overall["p50"], 1), 1),
         "p90_over_median": round(overall["p90"] / max(overall["p50"], 1), 1),
         "by_kind": {k: _percentiles(v) for k, v in sorted(by_kind.items())},
         "kinds": {k.name: {"weight": k.weight, "templates": list(k.templates)} for k in KINDS},
-        "lengths": lengths,
+        "lengths": lengths, "finish": finish,
     }
 
 
@@ -135,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--measure", default=None, metavar="MODEL_DIR",
                     help="sample the model's responses (vLLM, T=1) and report their lengths")
     ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop sampling after this many seconds; unfinished responses count as censored")
     ap.add_argument("--out", type=Path, default=None, help="where --measure writes its JSON")
     args = ap.parse_args(argv)
     if args.write is None and args.measure is None:
@@ -142,12 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.write is not None:
         print(f"chat_longtail: wrote {write_parquet(args.write, args.n, args.seed)}")
     if args.measure is not None:
-        report = measure_lengths(args.measure, args.n, args.seed, args.max_tokens)
+        report = measure_lengths(args.measure, args.n, args.seed, args.max_tokens, budget_s=args.budget_s)
         text = json.dumps(report, indent=2)
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text + "\n")
-        print(json.dumps({k: v for k, v in report.items() if k not in ("lengths", "kinds")}, indent=2))
+        print(json.dumps({k: v for k, v in report.items() if k not in ("lengths", "finish", "kinds")}, indent=2))
 
 
 if __name__ == "__main__":
