@@ -268,6 +268,24 @@ def run(shape: str, label: str, min_available_gb: float, work: Path) -> dict:
         print(f"{shape} {label} sync {name}: moved {moved.total / GB:.2f} GB (pipe {moved.pipe_bytes / GB:.2f}, "
               f"faulted {moved.faulted_bytes / GB:.2f}, in place {moved.in_place_bytes / GB:.2f}) "
               f"in {moved.seconds:.1f}s; peak added {(peak - parent0) / GB:.2f} GB", flush=True)
+    if hasattr(proc, "target_update"):
+        # The same sync had the adapter written each tensor straight into the segment as the
+        # weight stream passes it (DrafterProcess.target_update) instead of tapping a host copy
+        # first: the stream's tensors are the rollout's, made outside the measured window.
+        g = torch.Generator().manual_seed(1003)
+        e = torch.randn(V, H, generator=g, dtype=torch.bfloat16)
+        h = e if tied else torch.randn(V, H, generator=g, dtype=torch.bfloat16)
+        watch.reset()
+        f0, c0, ip0 = minflt(os.getpid()) + minflt(proc.pid), counter.total, in_place()
+        t = time.perf_counter()
+        with proc.target_update() as write:
+            write("embed", e)
+            write("lm_head", h)
+        moved = Moved(counter.total - c0, (minflt(os.getpid()) + minflt(proc.pid) - f0) * PAGE, in_place() - ip0,
+                      time.perf_counter() - t)
+        del e, h
+        syncs["streamed"] = {**asdict(moved), "total_bytes": moved.total, "peak_pss_added": watch.peak - parent0}
+        print(f"{shape} {label} sync streamed: moved {moved.total / GB:.2f} GB in {moved.seconds:.1f}s", flush=True)
     out["syncs"] = syncs
     steady = pss(os.getpid()) + pss(proc.pid) - parent0
     out["steady_pss_added_with_child"] = steady
@@ -376,10 +394,13 @@ def combine(runs: list[Path], out: Path) -> dict:
     A shape without a "before" run (7B: the old path's peak, about 7.5x the embedding + LM head,
     does not fit this box beside the others' work) gets it from another shape's "before" run,
     scaled by the embedding + LM head size, and says so."""
-    by = {}
+    by, capture_only = {}, {}
     for p in runs:
         r = json.loads(p.read_text())
-        by.setdefault(r["shape"], {})[r["label"]] = r
+        if r.get("capture_only"):
+            capture_only[(r["shape"], r["label"])] = r["capture_step"]
+        else:
+            by.setdefault(r["shape"], {})[r["label"]] = r
     measured_before = {s: rs["before"] for s, rs in by.items() if "before" in rs}
     result = {}
     for shape, rs in sorted(by.items()):
@@ -392,12 +413,17 @@ def combine(runs: list[Path], out: Path) -> dict:
         else:
             before_from = sorted(measured_before)[0]
             b = _per_embed_head(measured_before[before_from], by[before_from]["after"]["non_training_child"]["pss"])
-        cap_b = rs["before"]["capture_step"] if "before" in rs else None
+        cap_b = rs["before"]["capture_step"] if "before" in rs else capture_only.get((shape, "before"))
         entry = {
             "embed_head_bytes": t,
             "before_measured_at": before_from,
             "bytes_per_sync_before": b["bytes_per_sync"] * t, "bytes_per_sync_after": a["bytes_per_sync"] * t,
             "bytes_per_sync_before_over_after": b["bytes_per_sync"] / a["bytes_per_sync"],
+            # Had the adapter (tlt_verl/rollout/engine/adapter.py) written into the segment as the
+            # stream passes instead of tapping a host copy first: one copy per sync, not two.
+            "bytes_per_sync_streamed": after["syncs"].get("streamed", {}).get("total_bytes"),
+            "bytes_per_sync_before_over_streamed": (b["bytes_per_sync"] * t / after["syncs"]["streamed"]["total_bytes"]
+                                                    if "streamed" in after["syncs"] else None),
             "pipe_bytes_per_sync_before": b["pipe_bytes_per_sync"] * t,
             "pipe_bytes_per_sync_after": a["pipe_bytes_per_sync"] * t,
             "bytes_per_unchanged_sync_before": b["bytes_per_unchanged_sync"] * t,
@@ -427,12 +453,18 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "tlt-drafter-footprint")
     ap.add_argument("--min-available-gb", type=float, default=1.5)
     ap.add_argument("--combine", type=Path, nargs="*", help="run JSONs to combine into --out")
+    ap.add_argument("--capture-only", action="store_true",
+                    help="only the per-step capture (cheap at any shape: a 'before' where the whole run does not fit)")
     args = ap.parse_args(argv)
     if args.combine:
         print(json.dumps(combine(args.combine, args.out), indent=1)[:4000])
         return 0
     torch.set_num_threads(1)
-    res = run(args.shape, args.label, args.min_available_gb, args.work)
+    if args.capture_only:
+        res = {"shape": args.shape, "label": args.label, "capture_only": True,
+               "capture_step": capture_step(SHAPES[args.shape]["hidden_size"])}
+    else:
+        res = run(args.shape, args.label, args.min_available_gb, args.work)
     text = json.dumps(res, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -172,7 +172,7 @@ class CapturePass:
         ids = micro_batch["input_ids"].values().cpu().split(lay.lengths)
         # The sink's budget first, then the copy: the samples it would evict at once (a micro-batch
         # larger than the whole budget) never leave the device.
-        if hasattr(sink, "admit"):
+        if wanted and hasattr(sink, "admit"):
             width = final.shape[-1] + (aux.shape[-1] if aux is not None else 0)
             per_token = ids[0].element_size() + 1 + width * torch.empty((), dtype=dtype).element_size()
             wanted = wanted[sink.admit([lay.lengths[i] * per_token for i in wanted]):]

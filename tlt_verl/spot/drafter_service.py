@@ -244,14 +244,20 @@ class DrafterService:
         self.device = torch.device(cfg.device)
         self.target_dtype = rollout_dtype(cfg.target_dtype, target_config)
         self.target_version = 0                # of the target tensors bound; 0: none (stand-ins)
+        stand_ins = None
         if shared is not None:
             embed, head, self.target_version = shared
-        elif cfg.holds_target:
+        elif cfg.holds_target or cfg.init is not None:
+            # A warm start may start its LM head from the target's rows (EAGLE-3): read them even
+            # for a drafter that holds none, and let them go once it is built.
             embed, head = load_target_tensors(target, bool(getattr(target_config, "tie_word_embeddings", False)),
                                               self.target_dtype)
             self.target_version = 1
-        else:
-            embed = head = _stand_ins(drafter_cfg.vocab_size, drafter_cfg.hidden_size, self.target_dtype, self.device)
+        if shared is None and not cfg.holds_target:
+            stand_ins = _stand_ins(drafter_cfg.vocab_size, drafter_cfg.hidden_size, self.target_dtype, self.device)
+            if cfg.init is None:
+                embed = head = stand_ins
+            self.target_version = 0
         # Seeded without disturbing the actor's own random stream.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
@@ -259,6 +265,9 @@ class DrafterService:
                 drafter = load_drafter(cfg.init, target_config, embed, head, warm_start=True)
             else:
                 drafter = build_drafter(drafter_cfg, embed, head)
+        if stand_ins is not None:
+            drafter.target.bind(stand_ins, stand_ins)
+            del embed, head
         self.drafter = drafter.to(self.device)
         self._captures = capture
         if not capture:
