@@ -10,8 +10,8 @@ the rejection sampler both accepts and resamples.
 Every path on which the engine can change how it drafts is sampled at T=1 as well (`SWITCHING`):
 k changing mid-request as the batch shrinks, SD switching off -> on and on -> off mid-request,
 and a drafter hot-swap during generation. Each is checked with a chi-square on the probability
-integral transform of every verified token (each token at its own, fixed, context) and the
-log-prob vs entropy statistic.
+integral transform of every generated token after the first (each token at its own, fixed,
+context) and the log-prob vs entropy statistic; so are the fixed-k samples at each temperature.
 
 Two drafting modes (`ENGINES`), each on its own engine, every SD phase, fixed k and switching:
 sequential EAGLE-1 (k draft forwards a step) and EAGLE-3 with vLLM's parallel drafting (all k
@@ -20,10 +20,14 @@ time), whose drafter is built so that its first draft is the bigram guess too.
 
 The engines run in a subprocess (this file's __main__), one after the other: the rollout server's
 kind (`AsyncLLM`, whose engine core is a spawned process, so it also shows that the plugin is
-loaded there). The sequential engine then runs the same phases again, same requests and seeds,
-with the temperature fix switched off in that engine (tests/_temperature_switch.py), which must
-fail the same statistics on every path (the fix is the same for both modes). ~80 s an engine
-start on 2 cores.
+loaded there). Each engine then runs its negative controls: the same phases on a quarter of the
+same requests and seeds (what fails at a quarter of the samples fails at all of them), with the
+temperatures the rejection sampler divides by set to a known wrong value, twice the request's
+(tests/_temperature_switch.py), on each path where that path alone drafts: every verified token
+of the fixed-k phases, those of k=1 steps when k changes (the k the fixed phases never run; for
+parallel drafting, patches/vllm_sd/parallel.py's), those after the push of a hot swap, and the
+drafting half of off->on and on->off. Each must fail every statistic its positive run passes.
+~80 s an engine start on 2 cores.
 """
 from __future__ import annotations
 
@@ -61,13 +65,25 @@ ALPHA = 1e-3
 # Schedules: (first batch size, last batch size, k).
 SWITCH_REQUESTS = 1024
 SWITCH_AT = 768
-SWITCHING = {
-    "k_changes": [[1, SWITCH_AT, K], [SWITCH_AT + 1, MAX_NUM_SEQS, 1]],
-    "off_to_on": [[1, SWITCH_AT, K], [SWITCH_AT + 1, MAX_NUM_SEQS, 0]],
-    "on_to_off": [[1, SWITCH_AT, 0], [SWITCH_AT + 1, MAX_NUM_SEQS, K]],
-    "hot_swap": [[1, MAX_NUM_SEQS, K]],     # and the other drafter pushed mid-generation
-}
+
+
+def _switching(at: int) -> dict:
+    return {"k_changes": [[1, at, K], [at + 1, MAX_NUM_SEQS, 1]],
+            "off_to_on": [[1, at, K], [at + 1, MAX_NUM_SEQS, 0]],
+            "on_to_off": [[1, at, 0], [at + 1, MAX_NUM_SEQS, K]],
+            "hot_swap": [[1, MAX_NUM_SEQS, K]]}     # and the other drafter pushed mid-generation
+
+
+SWITCHING = _switching(SWITCH_AT)
+# Tokens that went through verification (accepted drafts and the token after them), at least, on
+# each switching path: off->on drafts in its second half only, about 9,000 of its 20,475 tokens
+# after the first (the k=0 ones are exact by construction and are not counted).
+VERIFIED_FLOOR = 8_000
 PIT_BINS = 20
+# The negative controls run every CONTROL_EVERY-th request of each phase (same prompt, length and
+# seed as in the positive run), the switch points scaled with the batch.
+CONTROL_EVERY = 4
+CONTROL_K = 1  # the k=1 steps of k_changes
 # Drafting mode -> vLLM's method for its drafter (tests/_drafters.py builds one of each).
 ENGINES = {"sequential": "eagle", "parallel": "eagle3"}
 
@@ -117,12 +133,12 @@ def counters(steps) -> dict:
             "accepted_tokens": sum(per_pos), "accepted_tokens_per_pos": per_pos}
 
 
-async def run_sd(target: str, method: str, drafter: str, other_drafter: str, negative_control: bool) -> dict:
+async def run_sd(target: str, method: str, drafter: str, other_drafter: str) -> dict:
     """Every SD phase on one engine, started as the rollout server starts its own (`start_engine`:
     an AsyncLLM, whose engine core is a spawned process; TLT's worker extension; a run-time
     schedule), with the speculative config TLT builds for the drafter folder: once with the fixes,
-    then (`negative_control`) again, same requests and seeds, with the temperature fix switched off
-    in the running engine."""
+    then the negative controls on a share of the same requests and seeds, with known wrong
+    temperatures set in the running engine."""
     from _temperature_switch import CLS
     from tlt_verl.rollout.config import drafter_speculative_config
     from tlt_verl.rollout.engine import sd_control
@@ -142,18 +158,17 @@ async def run_sd(target: str, method: str, drafter: str, other_drafter: str, neg
                  "parallel_drafting": bool(engine.vllm_config.speculative_config.parallel_drafting)}
     try:
         await sd_control.take_sd_metrics_async(engine)
-        out["fixed"] = await _phases(engine, drafter, other_drafter, greedy=True)
-        if negative_control:
-            await engine.collective_rpc("tlt_test_temperature_fix", args=(False,))
-            out["unfixed"] = await _phases(engine, drafter, other_drafter, greedy=False)
+        out["fixed"] = await _phases(engine, drafter, other_drafter, control=False)
+        out["control"] = await _phases(engine, drafter, other_drafter, control=True)
     finally:
         engine.shutdown()
     return out
 
 
-async def _phases(engine, drafter: str, other_drafter: str, greedy: bool) -> dict:
+async def _phases(engine, drafter: str, other_drafter: str, control: bool) -> dict:
     """Fixed k first (greedy, T=0.7 and 1.0, the chi-square sample), then the SWITCHING paths at
-    T=1; what each step drafted comes back too."""
+    T=1; what each step drafted comes back too. `control`: no greedy phase, every CONTROL_EVERY-th
+    request of the others, and the temperatures wrong on the path each phase is the control of."""
     import asyncio
 
     from vllm import SamplingParams
@@ -164,9 +179,15 @@ async def _phases(engine, drafter: str, other_drafter: str, greedy: bool) -> dic
 
     out: dict = {"timings": {}, "counters": {}}
 
+    every = CONTROL_EVERY if control else 1
+
+    async def wrong(on: bool, only_k=None):
+        if control:
+            await engine.collective_rpc("tlt_test_temperature", args=(on, only_k))
+
     async def one(name, i, prompt, sp, progress=None):
         final = None
-        async for o in engine.generate(TokensPrompt(prompt_token_ids=prompt), sp, f"{name}-{greedy}-{i}"):
+        async for o in engine.generate(TokensPrompt(prompt_token_ids=prompt), sp, f"{name}-{control}-{i}"):
             final = o
             if progress is not None:
                 progress[i] = len(o.outputs[0].token_ids)
@@ -181,8 +202,9 @@ async def _phases(engine, drafter: str, other_drafter: str, greedy: bool) -> dic
 
     await sd_control.set_sd_schedule_async(engine, [[1, MAX_NUM_SEQS, K]])
     prompts = _prompts()
-    if greedy:
+    if not control:
         out["greedy_sd"] = await phase("greedy", prompts, [_greedy()] * len(prompts))
+    await wrong(True)
     seed = 1
     for temp in TEMPERATURES:
         reps = [p for p in prompts for _ in range(SEEDS_PER_PROMPT)]
@@ -190,36 +212,43 @@ async def _phases(engine, drafter: str, other_drafter: str, greedy: bool) -> dic
         params = [SamplingParams(temperature=temp, max_tokens=SAMPLED_TOKENS, ignore_eos=True,
                                  detokenize=False, seed=seed + i) for i in range(len(reps))]
         seed += len(reps)
+        reps, params = reps[::every], params[::every]
         out[f"sampled_{temp}"] = {"prompts": reps, "tokens": await phase(f"sampled_{temp}", reps, params)}
     params = [SamplingParams(temperature=CHI2_TEMPERATURE, max_tokens=CHI2_TOKENS, ignore_eos=True,
-                             detokenize=False, seed=seed + i) for i in range(CHI2_SAMPLES)]
-    out["chi2"] = {"prompt": prompts[0], "first_two": await phase("chi2", [prompts[0]] * CHI2_SAMPLES, params)}
+                             detokenize=False, seed=seed + i) for i in range(CHI2_SAMPLES)][::every]
+    out["chi2"] = {"prompt": prompts[0], "first_two": await phase("chi2", [prompts[0]] * len(params), params)}
 
     t = time.time()
-    prompts = [p for p in prompts for _ in range(SWITCH_REQUESTS // N_PROMPTS)]
-    lengths = _switch_lengths()
+    # Every `every`-th request: all 16 prompts and all 33 lengths (4 and 33 are coprime) stay.
+    prompts = [p for p in prompts for _ in range(SWITCH_REQUESTS // N_PROMPTS)][::every]
+    lengths = _switch_lengths()[::every]
     manifest = DrafterManifest.from_folder(drafter)
     seed = 10_000_000
     out["switching"] = {}
-    for name, schedule in SWITCHING.items():
+    for name, schedule in _switching(SWITCH_AT // every).items():
         await sd_control.set_sd_schedule_async(engine, schedule)
+        # The hot swap's control is wrong from the push on; k_changes', at its k=1 steps only.
+        await wrong(name != "hot_swap", CONTROL_K if name == "k_changes" else None)
         progress = [0] * len(prompts)
         tasks = [asyncio.create_task(one(name, i, prompts[i], SamplingParams(
-            temperature=1.0, max_tokens=lengths[i], ignore_eos=True, detokenize=False, seed=seed + i), progress))
-            for i in range(len(prompts))]
-        result = {"prompts": prompts}
+            temperature=1.0, max_tokens=lengths[i], ignore_eos=True, detokenize=False, seed=seed + i * every),
+            progress)) for i in range(len(prompts))]
+        result = {"prompts": prompts, "lengths": lengths}
         if name == "hot_swap":
             while max(progress) < 4:          # every request prefilled, several decoding
                 await asyncio.sleep(0.002)
             await push_drafter_async(engine, manifest, os.path.join(other_drafter, "model.safetensors"))
+            await wrong(True)
             result["progress_at_push"] = list(progress)
         result["tokens"] = await asyncio.gather(*tasks)
-        result["steps"] = [[m.batch, m.k, m.drafted_reqs] for m in await sd_control.take_sd_metrics_async(engine)]
+        result["steps"] = [[m.batch, m.k, m.drafted_reqs, sum(m.accepted_per_pos)]
+                           for m in await sd_control.take_sd_metrics_async(engine)]
         out["switching"][name] = result
-        seed += len(prompts)
+        seed += SWITCH_REQUESTS
         if name == "hot_swap":
             await push_drafter_async(engine, manifest, os.path.join(drafter, "model.safetensors"))
     out["timings"]["switching"] = time.time() - t
+    await wrong(False)
     return out
 
 
@@ -235,8 +264,7 @@ def _main(argv=None):
     greedy = plain_greedy(args.target)
     result = {}
     for mode, method in ENGINES.items():
-        result[mode] = asyncio.run(run_sd(args.target, method, *getattr(args, mode),
-                                          negative_control=mode == "sequential"))
+        result[mode] = asyncio.run(run_sd(args.target, method, *getattr(args, mode)))
         result[mode]["fixed"]["greedy_no_sd"] = greedy
     Path(args.out).write_text(json.dumps(result))
 
@@ -258,25 +286,6 @@ class Exact:
         with torch.no_grad():
             logits = self.model(torch.tensor(sequences)).logits[:, :-1].double()
         return torch.log_softmax(logits / temperature, dim=-1)
-
-
-def mean_logprob_statistic(exact: Exact, sample: dict, temperature: float) -> dict:
-    """E[log p(x)] = -H(p) for exact sampling: the mean of log p(x_t) + H_t must be 0.
-
-    Over generated tokens 2..L, the ones that went through verification. The terms are
-    martingale differences, so the per-sequence sums are independent and give the error bar.
-    """
-    torch = exact.torch
-    seqs = [p + t for p, t in zip(sample["prompts"], sample["tokens"])]
-    lp = exact.log_probs(seqs, temperature)[:, PROMPT_LEN:]  # predicts generated tokens 2..L
-    nxt = torch.tensor([t[1:] for t in sample["tokens"]])
-    entropy = -(lp.exp() * lp).sum(-1)
-    d = lp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1) + entropy
-    per_seq = d.sum(1)
-    n_tok = d.numel()
-    mean = float(d.mean())
-    se = float(per_seq.std() * len(per_seq) ** 0.5 / n_tok)
-    return {"mean": mean, "se": se, "z": mean / se, "mean_entropy": float(entropy.mean()), "tokens": n_tok}
 
 
 def _gammaincc_p(stat: float, dof: int) -> float:
@@ -358,11 +367,18 @@ def acceptance(counters: dict) -> dict:
             "mean_acceptance_length": 1 + counters["accepted_tokens"] / max(drafts, 1)}
 
 
+def verified_tokens(steps) -> int:
+    """Tokens that came out of verification: of each request that verified drafts in a step, its
+    accepted drafts and the token after them (`steps`: [batch, k, drafted requests, accepted])."""
+    return sum(drafted + accepted for _, _, drafted, accepted in steps)
+
+
 def statistics(exact: Exact, result: dict) -> dict:
-    stats = {f"logprob_{t}": mean_logprob_statistic(exact, result[f"sampled_{t}"], t) for t in TEMPERATURES}
+    stats = {f"sampled_{t}": pit_statistic(exact, result[f"sampled_{t}"], t, seed=100 + i)
+             for i, t in enumerate(TEMPERATURES)}
     stats["chi2"] = chi2_statistic(exact, result["chi2"], CHI2_TEMPERATURE)
     stats["acceptance"] = {name: acceptance(c) for name, c in result["counters"].items()}
-    stats["switching"] = {name: pit_statistic(exact, phase, 1.0, seed=i)
+    stats["switching"] = {name: {**pit_statistic(exact, phase, 1.0, seed=i), "verified": verified_tokens(phase["steps"])}
                           for i, (name, phase) in enumerate(result["switching"].items())}
     return stats
 
@@ -399,7 +415,7 @@ def engine_run(models, tmp_path_factory):
     t0 = time.time()
     proc = subprocess.run([sys.executable, __file__, "--target", target, "--out", str(out),
                            *[a for mode, pair in drafters.items() for a in (f"--{mode}", *pair)]],
-                          env=env, capture_output=True, text=True, timeout=1200)
+                          env=env, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     for mode in ENGINES:
@@ -408,32 +424,36 @@ def engine_run(models, tmp_path_factory):
     return result
 
 
-@pytest.fixture(scope="module", params=list(ENGINES))
-def fixed(request, engine_run, exact):
-    """One drafting mode's run with every fix on: (its phases, their statistics)."""
-    run = engine_run[request.param]
-    assert run["parallel_drafting"] == (request.param == "parallel")
-    run["fixed"]["mode"] = request.param
-    return run["fixed"], statistics(exact, run["fixed"])
-
-
-@pytest.fixture(scope="module")
-def unfixed(engine_run, exact):
-    # The same engine, requests and seeds as the sequential `fixed`, the temperature fix switched off.
-    run = engine_run["sequential"]["unfixed"]
-    return run, statistics(exact, run)
-
-
 def _report(label, result, stats):
     print(f"\n[{label}] timings {json.dumps({k: round(v, 1) for k, v in result['timings'].items()})}")
     for name, s in stats.items():
         print(f"[{label}] {name}: {json.dumps(s, default=lambda x: round(x, 4))}")
 
 
+@pytest.fixture(scope="module", params=list(ENGINES))
+def fixed(request, engine_run, exact):
+    """One drafting mode's run with every fix on: (its phases, their statistics)."""
+    run = engine_run[request.param]
+    assert run["parallel_drafting"] == (request.param == "parallel")
+    run["fixed"]["mode"] = request.param
+    stats = statistics(exact, run["fixed"])
+    _report(request.param, run["fixed"], stats)
+    return run["fixed"], stats
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def control(request, engine_run, exact):
+    """One drafting mode's negative controls (same engine, a share of the same requests and seeds,
+    the temperatures wrong on each phase's path): (their phases, statistics)."""
+    run = engine_run[request.param]["control"]
+    stats = statistics(exact, run)
+    _report(f"{request.param} control", run, stats)
+    return run, stats
+
+
 @pytest.mark.slow
 def test_greedy_identical_with_and_without_sd(fixed):
     result, stats = fixed
-    _report(result["mode"], result, stats)
     assert len(result["greedy_sd"]) == N_PROMPTS
     for a, b in zip(result["greedy_sd"], result["greedy_no_sd"]):
         assert a == b and len(a) == GREEDY_TOKENS
@@ -455,19 +475,46 @@ def test_rejection_sampler_accepts_and_rejects(fixed):
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_mean_logprob_equals_negative_entropy(fixed, temperature):
-    s = fixed[1][f"logprob_{temperature}"]
-    assert abs(s["z"]) < Z_LIMIT, s
+    s = fixed[1][f"sampled_{temperature}"]
+    assert abs(s["logprob_z"]) < Z_LIMIT, s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_pit_chi_square_does_not_reject_at_each_temperature(fixed, temperature):
+    """The log-prob z alone once missed the temperature bug at T=0.7 (z +0.55, chi-square p = 0)."""
+    s = fixed[1][f"sampled_{temperature}"]
+    assert s["samples"] == N_PROMPTS * SEEDS_PER_PROMPT * (SAMPLED_TOKENS - 1)
+    assert s["p_value"] > ALPHA, s
 
 
 @pytest.mark.slow
 def test_chi_square_does_not_reject_exact_distribution(fixed):
-    s = fixed[1]["chi2"]
-    assert s["samples"] >= 20_000
+    _, stats = fixed
+    s = stats["chi2"]
+    # The floor counts verified second tokens (each request verified one draft round).
+    assert stats["acceptance"]["chi2"]["drafts"] >= 20_000
     assert s["p_value"] > ALPHA, s
 
 
 def _samples_exactly(s: dict) -> bool:
     return s["p_value"] > ALPHA and abs(s["logprob_z"]) < Z_LIMIT
+
+
+def _check_path_taken(path: str, phase: dict, switch_at: int) -> None:
+    """What the steps drafted, by running batch size: the path was taken."""
+    ks = {(batch <= switch_at, k) for batch, k, _, _ in phase["steps"]}
+    lo, hi = SWITCHING[path][0][2], SWITCHING[path][-1][2]
+    assert {(True, lo), (False, hi)} <= ks, sorted(ks)
+    # Both sides of the switch carry a good share of the decoding (request-steps).
+    after = sum(batch for batch, _, _, _ in phase["steps"] if batch <= switch_at)
+    assert 0.25 <= after / sum(batch for batch, _, _, _ in phase["steps"]) <= 0.75
+    if path == "hot_swap":
+        # Pushed while nearly every request was still decoding.
+        unfinished = sum(p < n for p, n in zip(phase["progress_at_push"], phase["lengths"]))
+        assert unfinished >= 0.9 * len(phase["lengths"]), unfinished
+    elif path == "k_changes":
+        assert any(drafted for batch, k, drafted, _ in phase["steps"] if k == CONTROL_K)
 
 
 @pytest.mark.slow
@@ -476,44 +523,37 @@ def test_switching_paths_sample_exactly(fixed, path):
     """At T=1, on each path on which the engine changes how it drafts mid-request."""
     result, stats = fixed
     s, phase = stats["switching"][path], result["switching"][path]
-    assert s["samples"] >= 20_000
+    assert s["verified"] >= VERIFIED_FLOOR, s
     assert _samples_exactly(s), s
-    # The path was taken: what the steps drafted, by running batch size.
-    ks = {(batch <= SWITCH_AT, k) for batch, k, _ in phase["steps"]}
-    lo, hi = SWITCHING[path][0][2], SWITCHING[path][-1][2]
-    assert {(True, lo), (False, hi)} <= ks, sorted(ks)
-    # Both sides of the switch carry a good share of the decoding (request-steps).
-    after = sum(batch for batch, _, _ in phase["steps"] if batch <= SWITCH_AT)
-    assert 0.25 <= after / sum(batch for batch, _, _ in phase["steps"]) <= 0.75
-    if path == "hot_swap":
-        # Pushed while nearly every request was still decoding.
-        unfinished = sum(p < n for p, n in zip(phase["progress_at_push"], _switch_lengths()))
-        assert unfinished >= 0.9 * SWITCH_REQUESTS, unfinished
-    elif path == "k_changes":
-        assert any(drafted for batch, k, drafted in phase["steps"] if k == 1)
+    _check_path_taken(path, phase, SWITCH_AT)
+
+
+# The negative controls: every statistic a positive check passes must reject where the
+# temperatures are wrong by a known factor, each on its own (neither may miss), on each path.
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_control_fixed_k_rejected_at_each_temperature(control, temperature):
+    s = control[1][f"sampled_{temperature}"]
+    assert s["p_value"] < ALPHA, s
+    assert abs(s["logprob_z"]) >= Z_LIMIT, s
 
 
 @pytest.mark.slow
-def test_switching_paths_reject_without_temperature_fix(unfixed):
-    """The negative control of every path: the same run with the temperature fix off fails what
-    `test_switching_paths_sample_exactly` asserts (the chi-square or the log-prob z). Either alone
-    can miss: the unfixed temperatures come from uninitialised memory, so how wrong a run is
-    varies, and on->off drafts only in its first half (once the chi-square alone gave p = 0.039)."""
-    _, stats = unfixed
-    for path, s in stats["switching"].items():
-        assert not _samples_exactly(s), (path, s)
-
-
-@pytest.mark.slow
-def test_statistics_reject_without_temperature_fix(unfixed):
-    result, stats = unfixed
-    _report("temperature fix off", result, stats)
-    # Without the fix the temperatures come from uninitialised memory, so how wrong a run is
-    # varies: over runs the log-prob z went from -27 to +6, and in one CI run it stayed inside
-    # the limit at both temperatures (+0.55, -2.49) while the chi-square gave p = 0. The chi-square
-    # at fixed contexts is the check that fails every time, so the lossless tests as a whole fail
-    # without the fix; the log-prob z is reported above, not required to reject.
+def test_control_chi_square_rejects(control):
+    _, stats = control
+    assert stats["acceptance"]["chi2"]["drafts"] == CHI2_SAMPLES // CONTROL_EVERY
     assert stats["chi2"]["p_value"] < ALPHA, stats["chi2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(SWITCHING))
+def test_control_rejected_on_each_switching_path(control, path):
+    result, stats = control
+    s = stats["switching"][path]
+    _check_path_taken(path, result["switching"][path], SWITCH_AT // CONTROL_EVERY)
+    assert s["p_value"] < ALPHA, s
+    assert abs(s["logprob_z"]) >= Z_LIMIT, s
 
 
 def test_lossy_acceptance_options_refused():
