@@ -14,8 +14,9 @@ is long. The schedule is off (k=0) above batch 4 and k=3 at 4 and below, so SD c
 Greedy decoding makes both continue with the same tokens, so the drafts after the switch must be
 the reference's: the same number accepted at each drafting step. The negative control is the same
 run with the catch-up disabled (TLT_VLLM_DISABLE_SD_CATCH_UP=1, the skipped positions are then
-never shown to the drafter): its drafts right after the switch differ from the reference's. All three run in one engine, the prefix cache reset and the drafter's KV
-cache zeroed before each.
+never shown to the drafter): fewer of its drafts are accepted right after the switch than of the
+reference's. All three run in one engine, the prefix cache reset and the drafter's KV cache zeroed
+before each.
 """
 from __future__ import annotations
 
@@ -171,8 +172,11 @@ def test_without_catch_up_acceptance_falls(caught_up, not_caught_up):
     with_, without = caught_up["off_on"]["acceptance"], not_caught_up["off_on"]["acceptance"]
     print(f"\nacceptance after the switch: caught up {with_:.3f}, not caught up {without:.3f}")
     control, reference = not_caught_up["off_on"], not_caught_up["all_along"]
-    assert not _drafts_as_if_drafting_all_along(control, reference), (control["acceptance_by_step"],
-                                                                     reference["acceptance_by_step"])
+    # Right after the switch, where the holes in the drafter's history are nearest: fewer drafts
+    # accepted than by the engine that drafted all along on the same tokens (the expectation the
+    # caught-up run meets step for step, see above), not merely different ones.
+    first = lambda run: sum(run["acceptance_by_step"][:10])
+    assert first(control) < first(reference), (control["acceptance_by_step"], reference["acceptance_by_step"])
 
 
 if __name__ == "__main__":
