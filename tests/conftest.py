@@ -131,6 +131,13 @@ def warm_drafter(assets) -> Path:
     return prepare_warm_drafter(Path(assets["root"]))
 
 
+@pytest.fixture(scope="session")
+def tlt_e2e_run() -> dict:
+    """What tests/test_tlt_e2e.py's runs wrote ("dir": its run folder), once they finished: a module
+    after it (tests/test_serve.py) serves that real run's export instead of training another run."""
+    return {}
+
+
 def pytest_addoption(parser):
     parser.addoption("--reverse-modules", action="store_true",
                      help="run the test modules in the reverse of their usual order (an order-dependence check)")

