@@ -3,13 +3,11 @@
 - The target's embedding and LM head are held in the rollout's dtype, only on a rank whose drafter
   trains, in one segment the actor's process owns and the drafter's child maps: a weight sync
   sends the child a version number, never the tensors, and a sync of unchanged weights copies
-  nothing; a restarted child maps the same segment again.
+  nothing; a restarted child maps the same segment again (tests/test_drafter_process.py).
 - Capture asks the staging buffer's budget before it copies a sample off the device.
 - A session's adoption moves the state's tensors themselves, behind a skeleton of a few KB.
 """
 import io
-import os
-import signal
 import time
 from dataclasses import replace
 from multiprocessing import connection
@@ -89,19 +87,9 @@ def test_target_crosses_once_per_version_through_shared_memory(target, pipe_byte
             write("lm_head", head2)
         assert proc.target_version == 3 and proc.target_digest() == _bf16_digest(embed2, head2)
 
-        # A restarted child maps the same segment again: the latest version, nothing re-sent.
-        old = proc.pid
-        os.kill(old, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                m = proc.metrics()
-                break
-            except Exception:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-        assert proc.pid != old and proc.restarts == 1
-        assert m["tlt/drafter/target_version"] == 3 and proc.target_digest() == _bf16_digest(embed2, head2)
+        # A restarted child maps the same segment again: tests/test_drafter_process.py SIGKILLs
+        # the child and finds the digest of the tensors handed in before the kill (one spawn
+        # fewer here).
     finally:
         proc.close()
 
