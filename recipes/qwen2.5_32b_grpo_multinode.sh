@@ -7,12 +7,14 @@
 # Choices:
 #   - FSDP2 with parameter and optimizer offload: without them the actor's fp32 shards and Adam
 #     moments (11.4 GiB per GPU over 32 GPUs) stay on the GPU through the rollout, next to vLLM's
-#     0.6 share and the drafter, and the rollout phase comes to about 84 of 79 GiB (table below);
+#     0.6 share and the drafter, and the rollout phase comes to 75.1 of 79.1 GiB: the 4 GiB
+#     headroom and no more, for estimates that have not met a GPU (table below);
 #   - Ulysses sequence parallelism 2 (actor and ref): a 1k prompt + 20k response is 21504 tokens,
 #     more than a 16384-token micro-batch holds, and verl asserts every micro-batch budget holds the
-#     longest sequence. Raising the budgets to 21504 tokens per GPU instead puts the training phase
-#     at about 75.3 of 79.1 GiB, under the 4 GiB headroom; SP 2 splits each micro-batch over two
-#     GPUs, 16384 tokens per GPU and 32768 per micro-batch;
+#     longest sequence. SP 2 splits each micro-batch over two GPUs, 16384 tokens per GPU and 32768
+#     per micro-batch. Raising the budgets to 21504 tokens per GPU with SP 1 also fits now that the
+#     drafter holds the target's embedding and LM head once, in bf16 (training phase 66.6 of 79.1
+#     GiB, against 60.7 with SP 2);
 #   - the memory table below is for NNODES=4: the actor's shards grow as the nodes shrink, and
 #     below 3 nodes the training phase no longer fits;
 #   - TP 8: one replica per node, so a node whose replica drained trains the drafter on its own
@@ -34,18 +36,18 @@
 #   weights, bf16 1/8 TP shard + drafter                    -     7.75
 #   KV cache: 1,163,477 tokens                              -    36.06  33,280 B/token = 2 x 65 layers x 1 KV heads/GPU x 128 x bf16
 #   activations (8192 tokens), graphs, NCCL                 -     3.64  graphs 1.50 + NCCL 0.50 assumed
-# drafter process (eagle, every rank)                   22.64    22.64  reserved in both phases
-#   target embedding + LM head, fp32 x 2                11.60    11.60  copies: the swap at weight sync
+# drafter process (eagle, every rank)                   13.94    13.94  reserved in both phases
+#   target embedding + LM head, bf16 x 1                 2.90     2.90  one shared segment, rewritten in place at a sync
 #   weights + grads + AdamW, fp32 (540M params)          8.05     8.05
 #   training, 4096 tokens/micro-batch                    2.99     2.99
 # CUDA contexts, 3 processes                             2.25     2.25  0.75 each assumed: actor, vLLM worker, drafter
-# total                                                 69.36    72.35
-# headroom                                               9.74     6.75  required >= 4.00
+# total                                                 60.66    63.65
+# headroom                                              18.44    15.45  required >= 4.00
 #
-# Peak: rollout, 72.35 of 79.10 GiB; headroom 6.75 GiB (required >= 4.00).
+# Peak: rollout, 63.65 of 79.10 GiB; headroom 15.45 GiB (required >= 4.00).
 # KV cache: 54 sequences of the longest (21504 tokens) at once; all max_num_seqs=256 while their mean length is <= 4,544.
 # Host RAM per node (not in the table): actor params 30.51, actor Adam 61.03, ref params 30.51, drafter buffers 64.00 GiB.
-# An EAGLE-3 drafter (DRAFTER naming one) adds 20.58 GiB at the peak: it does not fit; headroom below 4.00 GiB.
+# An EAGLE-3 drafter (DRAFTER naming one) adds 19.13 GiB at the peak: it does not fit; headroom below 4.00 GiB.
 # With trainer.nnodes < 3 this does not fit.
 # Overrides appended when the recipe is run ("$@") are not in this table.
 # <<< memory plan <<<

@@ -15,8 +15,8 @@
 #   - CUDA graphs captured only where each SD arm can run (rollout.custom.tlt_sd);
 #   - memory (table below): the peak is the rollout, where vLLM's 0.6 share sits beside the
 #     actor's fp32 shards and Adam moments (kept on the GPU: 10.6 GiB, no offload) and the drafter
-#     process; it leaves 4.9 GiB. A utilization of 0.65 would leave under 1 GiB; if vLLM needs a
-#     larger KV cache, offload the actor's optimizer (actor.fsdp_config.optimizer_offload=True)
+#     process; it leaves 11.0 GiB. A utilization of 0.65 would leave 7.0 GiB; if vLLM needs a
+#     larger KV cache still, offload the actor's optimizer (actor.fsdp_config.optimizer_offload=True)
 #     and regenerate the table.
 # memory-plan: model=Qwen2.5-7B card=H100-80GB
 # >>> memory plan (python -m tlt_verl.launch.memory_plan --write recipes/qwen2.5_7b_grpo_8gpu.sh; tests/test_recipe_memory.py checks it) >>>
@@ -33,18 +33,18 @@
 #   weights, bf16 1/2 TP shard + drafter                    -     7.33
 #   KV cache: 1,301,273 tokens                              -    35.99  29,696 B/token = 2 x 29 layers x 2 KV heads/GPU x 128 x bf16
 #   activations (8192 tokens), graphs, NCCL                 -     4.14  graphs 1.50 + NCCL 0.50 assumed
-# drafter process (eagle, every rank)                   13.84    13.84  reserved in both phases
-#   target embedding + LM head, fp32 x 2                 8.12     8.12  copies: the swap at weight sync
+# drafter process (eagle, every rank)                    7.75     7.75  reserved in both phases
+#   target embedding + LM head, bf16 x 1                 2.03     2.03  one shared segment, rewritten in place at a sync
 #   weights + grads + AdamW, fp32 (259M params)          3.86     3.86
 #   training, 4096 tokens/micro-batch                    1.86     1.86
 # CUDA contexts, 3 processes                             2.25     2.25  0.75 each assumed: actor, vLLM worker, drafter
-# total                                                 58.45    74.19
-# headroom                                              20.65     4.91  required >= 4.00
+# total                                                 52.36    68.10
+# headroom                                              26.74    11.00  required >= 4.00
 #
-# Peak: rollout, 74.19 of 79.10 GiB; headroom 4.91 GiB (required >= 4.00).
+# Peak: rollout, 68.10 of 79.10 GiB; headroom 11.00 GiB (required >= 4.00).
 # KV cache: 74 sequences of the longest (17408 tokens) at once; all max_num_seqs=256 while their mean length is <= 5,083.
 # Host RAM per node (not in the table): ref params 28.37, drafter buffers 2.00 GiB.
-# An EAGLE-3 drafter (DRAFTER naming one) adds 14.11 GiB at the peak: it does not fit; headroom below 4.00 GiB.
+# An EAGLE-3 drafter (DRAFTER naming one) adds 13.09 GiB at the peak: it does not fit; headroom below 4.00 GiB.
 # Overrides appended when the recipe is run ("$@") are not in this table.
 # <<< memory plan <<<
 set -euo pipefail

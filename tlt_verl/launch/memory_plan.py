@@ -270,14 +270,13 @@ def read_recipe(path: str | Path) -> Recipe:
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """What TLT's drafter process (tlt_verl/spot/drafter_service.py, one per rank, on the rank's
-    GPU) holds. The defaults are what the code does now; point 2 of issue 39 moves the target's
-    embedding and LM head to the rollout dtype: set `embed_head_bytes=2` then."""
-    # load_target_tensors() reads both tensors as fp32, and the service keeps that dtype.
-    embed_head_bytes: int = 4
-    # set_target_tensors() copies the new pair to the device while the old one is still bound;
-    # the child's caching allocator keeps the freed pair's blocks (nothing there empties it).
-    embed_head_copies: int = 2
+    """What TLT's drafter (tlt_verl/spot/, one per rank, on the rank's GPU) holds."""
+    # The target's embedding and LM head: held in the rollout's dtype (the actor worker passes
+    # rollout.dtype as DrafterServiceConfig.target_dtype; None here: the recipe's rollout dtype),
+    # in one segment the actor's process owns and the drafter child maps (spot/shared_target.py),
+    # rewritten in place at each weight sync: one pair, never a second during a swap.
+    embed_head_bytes: int | None = None
+    embed_head_copies: int = 1
     # The drafter's own weights are fp32 (built in the default dtype, moved with .to(device)),
     # trained under bf16 autocast with AdamW: fp32 grads and two fp32 moments.
     param_bytes: int = 4
@@ -464,7 +463,8 @@ def plan(recipe: Recipe, drafter: DrafterSpec = DrafterSpec(), assume: Assumptio
         procs = 3
         dp = drafter_params(m, s.drafter_kind, drafter.eagle3_aux)
         # A tied target hands the drafter one tensor twice (load_target_tensors).
-        pair = (m.embed_params + m.lm_head_params) * drafter.embed_head_bytes
+        eh_bytes = drafter.embed_head_bytes or s.rollout_dtype_bytes
+        pair = (m.embed_params + m.lm_head_params) * eh_bytes
         target = pair * drafter.embed_head_copies
         own = dp * (drafter.param_bytes + drafter.grad_bytes + drafter.adam_bytes)
         td = s.drafter_tokens_per_micro
@@ -475,14 +475,14 @@ def plan(recipe: Recipe, drafter: DrafterSpec = DrafterSpec(), assume: Assumptio
                  + td * (fc_in + 2 * m.hidden) * 2               # the batch: inputs, targets
                  + 4 * drafter.token_chunk * drafter.vocab_chunk * 4)   # soft CE tiles
         if s.drafter_kind == "eagle3":
-            train += m.vocab * m.hidden * drafter.embed_head_bytes      # target_head_rows() copy
+            train += m.vocab * m.hidden * eh_bytes      # target_head_rows() copy
         train = train if s.train_drafter else 0
         total = target + own + train
-        bytes_name = {4: "fp32", 2: "bf16"}.get(drafter.embed_head_bytes, f"{drafter.embed_head_bytes} B")
+        bytes_name = {4: "fp32", 2: "bf16"}.get(eh_bytes, f"{eh_bytes} B")
         lines.append(Line(f"drafter process ({s.drafter_kind}, every rank)", total, total,
                           "reserved in both phases", parts=[
                               Line(f"target embedding + LM head, {bytes_name} x {drafter.embed_head_copies}",
-                                   target, target, "copies: the swap at weight sync"),
+                                   target, target, "one shared segment, rewritten in place at a sync"),
                               Line(f"weights + grads + AdamW, fp32 ({dp / 1e6:.0f}M params)", own, own),
                               Line(f"training, {td} tokens/micro-batch", train, train),
                           ]))

@@ -3,8 +3,9 @@
 Everything is verl's `ServerAdapter`: the server it talks to (named `<rollout name>_server_<replica>_<node>`),
 `resume` / `release` (the server's wake_up / sleep), and the weight sync (bucketed transfer over
 ZMQ, CUDA IPC on GPU and shared memory on CPU, received by `TLTWorkerExtension`). The one addition:
-a drafter trained in this process reads the target's embedding and LM head, so those two tensors
-are copied out of the stream as it passes; nothing else is held on the host.
+a drafter trained beside this process reads the target's embedding and LM head, so those two
+tensors are written from the stream, as it passes, into the segment the drafter maps
+(`DrafterProcess.target_update`); nothing else is held.
 """
 from __future__ import annotations
 
@@ -22,21 +23,27 @@ class VllmServerAdapter(ServerAdapter):
             # receiver that never connects: fail here, in one line, instead.
             await self.server_handle.check_awake.remote("reload the target weights", ("weights",))
         svc = _drafter_service()
-        if svc is not None and not svc.capture:
-            svc = None             # a drafter that does not train needs no copy of the target's tensors
-        taken: dict[str, torch.Tensor] = {}
-        if svc is not None:
-            weights = _tap(weights, (EMBED, LM_HEAD), taken)
-        await super().update_weights(weights, global_steps=global_steps, wire_format=wire_format, **kwargs)
-        if svc is not None and EMBED in taken:
-            svc.set_target_tensors(taken[EMBED], taken.get(LM_HEAD, taken[EMBED]))
+        if svc is None or not svc.capture:
+            # A drafter that does not train holds no copy of the target's tensors.
+            await super().update_weights(weights, global_steps=global_steps, wire_format=wire_format, **kwargs)
+            return
+        # The two tensors go from the stream straight into the drafter's shared segment (its child
+        # holds meanwhile): one copy, and none on the host on a GPU.
+        with svc.target_update() as write:
+            await super().update_weights(_tap(weights, write), global_steps=global_steps, wire_format=wire_format,
+                                         **kwargs)
 
 
-def _tap(weights, names, into: dict):
-    """Pass `weights` through, keeping a host copy of the tensors named in `names`."""
+# Weight-stream names -> the drafter's parts (tied targets stream no LM head; the drafter reads
+# the embedding for both).
+PARTS = {EMBED: "embed", LM_HEAD: "lm_head"}
+
+
+def _tap(weights, write):
+    """Pass `weights` through, writing the drafter's parts of it as they go by."""
     for name, t in weights:
-        if name in names:
-            into[name] = t.detach().to("cpu", copy=True)
+        if name in PARTS:
+            write(PARTS[name], t)
         yield name, t
 
 
