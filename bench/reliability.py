@@ -13,7 +13,11 @@ run's length T. Then each trial starts the same run in a fresh folder, with a Ra
   export being written, a drafter push;
 - rank: SIGKILLs one trainer rank (a Ray `WorkerDict` process) a random 0-10 s after the first
   step's metrics are in;
-- engine: SIGKILLs one vLLM engine core (`VLLM::EngineCore`) in the same window.
+- engine: SIGKILLs one vLLM engine core (`VLLM::EngineCore`) in the same window;
+- a save (`trial(..., when=("saving", (step, part)))`, tests/test_reliability.py): SIGKILLs the
+  driver in the middle of step N's checkpoint save, once its drafters' part (`part="drafter"`:
+  the step's `tlt_drafter` folder has appeared) or verl's part (`"verl"`: its `actor` folder has)
+  is being written, before verl marks the step saved.
 
 Whatever still runs from the trial's Ray temp dir is then ended by process id (nothing else on
 the machine), the folder is checked (every step verl had marked as saved is still complete: its
@@ -25,7 +29,8 @@ against those in the checkpoint, whether the resumed run finished, the time it t
 at work (launch to the first new step) and `lost_checkpoints`.
 
 About 5 minutes a trial on a 2-core box (two launches of Ray, verl and two vLLM replicas), so it
-is not part of CI.
+is not part of CI; `SHORT` (`--short`) shrinks each step's rollout (4 prompts, 64 response tokens),
+which leaves mostly the two start-ups.
 """
 from __future__ import annotations
 
@@ -56,13 +61,17 @@ TARGETS = {"driver": "verl.trainer.main_ppo", "rank": "WorkerDict", "engine": "V
 RESUMED = re.compile(r"tlt: drafter resumed from \S*global_step_(\d+) on (\d+)/(\d+) ranks "
                      r"\(state versions \[([\d, ]*)\]\); SD policy resumed: (no|(\d+) bandit pulls)")
 HANG_S = 300.0          # a killed run that has not exited by then is recorded as hung, then ended
+# A short run of the same recipe: a quarter of its prompts (still a multiple of the two ranks'
+# mini-batches) and short responses, so that a step is seconds, not minutes.
+SHORT = ("data.train_batch_size=4", "data.max_response_length=64", "actor_rollout_ref.actor.ppo_mini_batch_size=2")
+SAVE_PARTS = {"drafter": "tlt_drafter", "verl": "actor"}   # what a step's save writes first, in order
 
 
-def launch(run_dir: Path, steps: int, ray: OwnRay, log: Path) -> subprocess.Popen:
+def launch(run_dir: Path, steps: int, ray: OwnRay, log: Path, overrides=()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tlt_verl.cli", "run", "--steps", str(steps), "--run-dir", str(run_dir),
            # The drafter trains (on CPU the default, train_drafter=auto, leaves it frozen): kills
            # then also land in drafter sessions and pushes.
-           "trainer.save_freq=1", "trainer.resume_mode=auto", "+tlt.spot.train_drafter=true"]
+           "trainer.save_freq=1", "trainer.resume_mode=auto", "+tlt.spot.train_drafter=true", *overrides]
     env = dict(os.environ, **ray.env, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
@@ -153,18 +162,32 @@ def wait_exit(proc: subprocess.Popen, timeout: float) -> float | None:
         return None
 
 
-def trial(kind: str, work: Path, steps: int, when: tuple[str, float], rng: random.Random) -> dict:
-    """``when``: ("at", seconds after launch) or ("after_first_step", seconds after the first
-    step's metrics are in)."""
+def save_begun(run_dir: Path, step: int, part: str) -> bool:
+    """Step ``step``'s checkpoint save has reached ``part`` (SAVE_PARTS) and verl has not yet
+    marked the step saved."""
+    return (run_dir / CKPT_REL / f"global_step_{step}" / SAVE_PARTS[part]).exists() and saved_step(run_dir) < step
+
+
+def trial(kind: str, work: Path, steps: int, when: tuple[str, object], rng: random.Random, overrides=()) -> dict:
+    """``when``: ("at", seconds after launch), ("after_first_step", seconds after the first
+    step's metrics are in) or ("saving", (step, part)): as soon as ``save_begun``."""
     run_dir, log = work / "run", work / "launcher.log"
     work.mkdir(parents=True, exist_ok=True)
     ray = OwnRay()
     rec: dict = {"kind": kind, "trial": work.name, "moment": when[0]}
     t0 = time.time()
-    proc = launch(run_dir, steps, ray, log)
+    proc = launch(run_dir, steps, ray, log, overrides)
     target = None
     try:
-        if when[0] == "after_first_step":
+        if when[0] == "saving":
+            # The target found first and the save polled often: the save of a tiny model's step
+            # takes a second or two, looking through the processes as long.
+            while proc.poll() is None and (target := find_target(ray, kind)) is None:
+                time.sleep(0.5)
+            while proc.poll() is None and not save_begun(run_dir, *when[1]):
+                time.sleep(0.01)
+            deadline = time.time()
+        elif when[0] == "after_first_step":
             while proc.poll() is None and not steps_done(run_dir):
                 time.sleep(0.5)
             deadline = time.time() + when[1]
@@ -172,7 +195,7 @@ def trial(kind: str, work: Path, steps: int, when: tuple[str, float], rng: rando
             deadline = t0 + when[1]
         while time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        target = find_target(ray, kind)
+        target = target or find_target(ray, kind)
         rec["kill_at_s"] = round(time.time() - t0, 1)
         if proc.poll() is not None or target is None:
             rec.update(killed=False, why="the run had ended" if proc.poll() is not None else "no such process")
@@ -213,7 +236,7 @@ def trial(kind: str, work: Path, steps: int, when: tuple[str, float], rng: rando
     ray = OwnRay()
     t1 = time.time()
     resume_log = work / "resume.log"
-    proc = launch(run_dir, steps, ray, resume_log)
+    proc = launch(run_dir, steps, ray, resume_log, overrides)
     first_new = None
     try:
         while proc.poll() is None:
@@ -251,12 +274,12 @@ def trial(kind: str, work: Path, steps: int, when: tuple[str, float], rng: rando
     return rec
 
 
-def reference(work: Path, steps: int) -> tuple[float, float]:
+def reference(work: Path, steps: int, overrides=()) -> tuple[float, float]:
     """An uninterrupted run: its length, and when its first step's metrics were in."""
     ray, log, run_dir = OwnRay(), work / "launcher.log", work / "run"
     work.mkdir(parents=True, exist_ok=True)
     t, first = time.time(), None
-    proc = launch(run_dir, steps, ray, log)
+    proc = launch(run_dir, steps, ray, log, overrides)
     try:
         while proc.poll() is None:
             if first is None and steps_done(run_dir):
@@ -275,6 +298,7 @@ def main() -> int:
     ap.add_argument("--rank-kill", type=int, default=1)
     ap.add_argument("--engine-kill", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--short", action="store_true", help="short steps (SHORT): the kills then land mostly in start-up")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reference-s", type=float, nargs=2, default=None, metavar=("LENGTH", "FIRST_STEP"),
                     help="an uninterrupted run's length and when its first step was in; measured by a "
@@ -290,12 +314,14 @@ def main() -> int:
     out = previous(Path(args.out)) if args.append else {"invocations": [], "trials": []}
     if any(inv["seed"] == args.seed for inv in out["invocations"]):
         raise SystemExit(f"reliability: {args.out} already holds seed {args.seed}; pass another --seed to draw new moments")
-    length, first_step = args.reference_s or reference(work / "reference", args.steps)
+    overrides = SHORT if args.short else ()
+    length, first_step = args.reference_s or reference(work / "reference", args.steps, overrides)
     print(f"reliability: an uninterrupted {args.steps}-step run takes {length:.0f}s", flush=True)
     kinds = ["engine"] * args.engine_kill + ["rank"] * args.rank_kill + ["driver"] * args.driver_kills
     invocation = len(out["invocations"])
     out["invocations"].append({"steps": args.steps, "seed": args.seed, "reference_s": round(length, 1),
-                               "reference_first_step_s": round(first_step, 1)})
+                               "reference_first_step_s": round(first_step, 1),
+                               **({"overrides": list(overrides)} if overrides else {})})
     trials = out["trials"]
     started, drivers = time.time(), 0
     for i, kind in enumerate(kinds):
@@ -312,7 +338,7 @@ def main() -> int:
             # (rollouts, drafter sessions, saves, exports, pushes of steps 2 and 3).
             when = ("after_first_step", rng.uniform(0.0, 0.95 * (length - first_step)))
         drivers += kind == "driver"
-        rec = {"invocation": invocation, **trial(kind, work / f"trial_{i:02d}_{kind}", args.steps, when, rng)}
+        rec = {"invocation": invocation, **trial(kind, work / f"trial_{i:02d}_{kind}", args.steps, when, rng, overrides)}
         trials.append(rec)
         print(f"reliability: trial {i + 1}/{len(kinds)} {kind} killed at {rec.get('kill_at_s')}s "
               f"({rec.get('phase', rec.get('why'))}): resumed={rec.get('resumed')} "
