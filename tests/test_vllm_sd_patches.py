@@ -76,9 +76,10 @@ def _switching(at: int) -> dict:
 
 SWITCHING = _switching(SWITCH_AT)
 # Tokens that went through verification (accepted drafts and the token after them), at least, on
-# each switching path: off->on drafts in its second half only, about 9,000 of its 20,475 tokens
-# after the first (the k=0 ones are exact by construction and are not counted).
-VERIFIED_FLOOR = 8_000
+# each switching path; the k=0 ones are exact by construction and are not counted. off->on drafts
+# in its second half only: 8,759-9,748 verified in four runs (the count includes drafts accepted
+# past a request's last token, about 450 a path). Its control rejects at 2,170-2,182 (|z| >= 15).
+VERIFIED_FLOOR = 6_000
 PIT_BINS = 20
 # The negative controls run every CONTROL_EVERY-th request of each phase (same prompt, length and
 # seed as in the positive run), the switch points scaled with the batch.
