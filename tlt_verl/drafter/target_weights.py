@@ -45,16 +45,21 @@ def _files_holding(folder: Path) -> dict[str, Path]:
         return {k: single for k in f.keys() if k in (EMBED, LM_HEAD)}
 
 
-def load_target_tensors(folder: str | Path, tie_word_embeddings: bool,
-                        dtype: torch.dtype | None = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding, LM head) of the target in ``folder``, as ``dtype`` CPU tensors (None: as
-    stored); the same tensor twice when the target ties them."""
-    folder = Path(folder)
+def _checked_files(folder: Path, tie_word_embeddings: bool) -> dict[str, Path]:
+    """`_files_holding`, refusing a target without the tensors the drafter reads."""
     where = _files_holding(folder)
     if EMBED not in where:
         raise ValueError(f"target {folder}: no {EMBED} in its safetensors")
     if LM_HEAD not in where and not tie_word_embeddings:
         raise ValueError(f"target {folder}: no {LM_HEAD} in its safetensors and tie_word_embeddings is false")
+    return where
+
+
+def load_target_tensors(folder: str | Path, tie_word_embeddings: bool,
+                        dtype: torch.dtype | None = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding, LM head) of the target in ``folder``, as ``dtype`` CPU tensors (None: as
+    stored); the same tensor twice when the target ties them."""
+    where = _checked_files(Path(folder), tie_word_embeddings)
 
     def read(name: str) -> torch.Tensor:
         with safe_open(str(where[name]), framework="pt") as f:
@@ -71,12 +76,7 @@ def copy_target_tensors(folder: str | Path, tie_word_embeddings: bool, embed_out
                         head_out: torch.Tensor, chunk_bytes: int = 64 << 20) -> None:
     """Read the target's embedding and LM head into ``embed_out`` / ``head_out`` (any dtype and
     device: cast and moved on the way), a few rows at a time: no full-size copy on the host."""
-    folder = Path(folder)
-    where = _files_holding(folder)
-    if EMBED not in where:
-        raise ValueError(f"target {folder}: no {EMBED} in its safetensors")
-    if LM_HEAD not in where and not tie_word_embeddings:
-        raise ValueError(f"target {folder}: no {LM_HEAD} in its safetensors and tie_word_embeddings is false")
+    where = _checked_files(Path(folder), tie_word_embeddings)
     names = ((EMBED, embed_out),) if tie_word_embeddings else ((EMBED, embed_out), (LM_HEAD, head_out))
     for name, out in names:
         with safe_open(str(where[name]), framework="pt") as f:
