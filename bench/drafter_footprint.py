@@ -60,6 +60,18 @@ GB = 1e9
 
 # ---------------------------------------------------------------------- measurement
 
+def _impl() -> str:
+    """Which tlt_verl ran, without naming this machine's paths: the repository's, or another tree's commit."""
+    import subprocess
+
+    import tlt_verl
+
+    here = Path(tlt_verl.__file__).resolve().parent
+    commit = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return f"tlt_verl at {commit or 'an unversioned tree'}"
+
+
 def smaps(pid: int) -> dict[str, int]:
     """Bytes of /proc/<pid>/smaps_rollup's fields (Rss, Pss, Private_Dirty, ...)."""
     out = {}
@@ -228,7 +240,7 @@ def run(shape: str, label: str, min_available_gb: float, work: Path, restart: bo
 
     watch = Watch(alive_child, int(min_available_gb * GB))
     parent0 = pss(os.getpid())
-    out = {"shape": shape, "label": label, "impl": str(Path(tlt_verl.__file__).parent), "vocab": V, "hidden": H,
+    out = {"shape": shape, "label": label, "impl": _impl(), "vocab": V, "hidden": H,
            "tied": tied, "embed_head_bytes": embed_head, "page_bytes": PAGE}
 
     t0 = time.perf_counter()
