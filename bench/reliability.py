@@ -222,16 +222,9 @@ def trial(kind: str, work: Path, steps: int, when: tuple[str, object], rng: rand
         rec["ray_processes_ended"] = len(ray.stop())
 
     saved = saved_step(run_dir)
-    rec["saved_step"] = saved
-    checked = [check_step(run_dir, s) for s in range(1, saved + 1)
-               if (run_dir / CKPT_REL / f"global_step_{s}").exists() or s == saved]
-    lost = [c["step"] for c in checked if c["problems"]]
+    rec.update(saved_on_disk(run_dir))
     if saved < saved_before:
-        lost.append(saved_before)            # the tracker went backwards
-    rec["checkpoint_problems"] = [p.replace(str(run_dir), "<run>") for c in checked for p in c["problems"]]
-    latest = next((c for c in checked if c["step"] == saved), None)
-    rec["saved_drafter_versions"] = latest["drafter_versions"] if latest else []
-    rec["saved_bandit_pulls"] = latest["bandit_pulls"] if latest else None
+        rec["lost"].append(saved_before)     # the tracker went backwards
 
     ray = OwnRay()
     t1 = time.time()
@@ -251,28 +244,52 @@ def trial(kind: str, work: Path, steps: int, when: tuple[str, object], rng: rand
         ray.stop()
     done = steps_done(run_dir)
     text = (run_dir / "verl.log").read_text(errors="replace") if (run_dir / "verl.log").exists() else ""
-    m = RESUMED.search(text)
     rec.update(resume_rc=rc, resume_s=round(time.time() - t1, 1),
                time_to_recover_s=None if first_new is None else round(first_new, 1),
                finished=rc == 0 and max(done, default=0) >= steps)
-    if saved > 0:
+    rec.update(resume_verdict(rec, text, rec["finished"]))
+    del rec["lost"]
+    return rec
+
+
+def saved_on_disk(run_dir: Path) -> dict:
+    """After a kill, what a resume may count on: the step verl marked saved, and every saved step
+    still whole (``check_step``). ``lost``: the saved steps that are not."""
+    saved = saved_step(run_dir)
+    checked = [check_step(run_dir, s) for s in range(1, saved + 1)
+               if (run_dir / CKPT_REL / f"global_step_{s}").exists() or s == saved]
+    latest = next((c for c in checked if c["step"] == saved), None)
+    return {"saved_step": saved,
+            "checkpoint_problems": [p.replace(str(run_dir), "<run>") for c in checked for p in c["problems"]],
+            "saved_drafter_versions": latest["drafter_versions"] if latest else [],
+            "saved_bandit_pulls": latest["bandit_pulls"] if latest else None,
+            "lost": [c["step"] for c in checked if c["problems"]]}
+
+
+def resume_verdict(saved: dict, log_text: str, finished: bool) -> dict:
+    """Whether the resumed run (its verl.log ``log_text``) picked up ``saved`` (``saved_on_disk``
+    before it started) with nothing lost: it named the saved step's checkpoint, not a newer
+    unfinished one, resumed its drafters at their saved versions or later and its bandit at its
+    saved pulls, and finished."""
+    m = RESUMED.search(log_text)
+    out, lost = {}, list(saved["lost"])
+    if saved["saved_step"] > 0:
         resumed_from = int(m.group(1)) if m else None
         versions = [int(v) for v in m.group(4).split(",") if v.strip()] if m else []
         pulls = int(m.group(6)) if m and m.group(6) else None
-        rec.update(resumed_from=resumed_from, resumed_drafter_versions=versions, resumed_bandit_pulls=pulls)
-        rec["drafter_at_saved_version_or_later"] = bool(versions) and bool(rec["saved_drafter_versions"]) and \
-            max(versions) >= max(rec["saved_drafter_versions"])
-        rec["bandit_resumed"] = pulls is not None and pulls == rec["saved_bandit_pulls"]
-        if resumed_from != saved:
-            lost.append(saved)
-        ok = rec["drafter_at_saved_version_or_later"] and rec["bandit_resumed"]
+        out.update(resumed_from=resumed_from, resumed_drafter_versions=versions, resumed_bandit_pulls=pulls)
+        out["drafter_at_saved_version_or_later"] = bool(versions) and bool(saved["saved_drafter_versions"]) and \
+            max(versions) >= max(saved["saved_drafter_versions"])
+        out["bandit_resumed"] = pulls is not None and pulls == saved["saved_bandit_pulls"]
+        if resumed_from != saved["saved_step"]:
+            lost.append(saved["saved_step"])
+        ok = out["drafter_at_saved_version_or_later"] and out["bandit_resumed"]
     else:
-        rec.update(resumed_from=0)           # nothing was saved: the next run starts over, as it should
+        out.update(resumed_from=0)           # nothing was saved: the next run starts over, as it should
         ok = m is None
-    rec["lost_checkpoints"] = sorted(set(lost))
-    rec["resumed"] = bool(rec["finished"] and ok and not rec["lost_checkpoints"])
-    return rec
-
+    out["lost_checkpoints"] = sorted(set(lost))
+    out["resumed"] = bool(finished and ok and not out["lost_checkpoints"])
+    return out
 
 def reference(work: Path, steps: int, overrides=()) -> tuple[float, float]:
     """An uninterrupted run: its length, and when its first step's metrics were in."""

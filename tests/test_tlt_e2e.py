@@ -2,14 +2,17 @@
 on one node and then across two.
 
 One run of 3 steps on a local Ray (checkpoints every step, the recipe's bypass mode) whose drafter
-process is SIGKILLed while it trains in step 3, then a resumed run to step 4 from verl's own
-checkpoint (`trainer.resume_mode=auto`) on two Ray nodes started with docker/launch.sh (one trainer
-rank and one replica per node, the same world size), with bypass mode off, so that verl recomputes
-the old log-probs with the actor. Checked: the drafter trains in the long tail on drained
-replicas, on states captured from the actor update (verl ran no old log-prob pass), and is pushed;
-SD runs in the rollout and the engine's log-probs still equal the actor's (sampling stayed the
-policy's own); `tlt/...` metrics reach verl's metrics; the drafter's checkpoint sits in verl's step
-folder and the resumed run continues from it, on the other cluster's ranks.
+process is SIGKILLed while it trains in step 3, and whose trainer is SIGKILLed in the middle of step
+3's checkpoint save (its drafters and verl's actor files written, verl's tracker not yet); then a
+resumed run to step 4 from verl's own checkpoint (`trainer.resume_mode=auto`: step 2's) on two Ray
+nodes started with docker/launch.sh (one trainer rank and one replica per node, the same world
+size), with bypass mode off, so that verl recomputes the old log-probs with the actor. Checked: the
+drafter trains in the long tail on drained replicas, on states captured from the actor update (verl
+ran no old log-prob pass), and is pushed; SD runs in the rollout and the engine's log-probs still
+equal the actor's (sampling stayed the policy's own); `tlt/...` metrics reach verl's metrics; the
+drafter's checkpoint sits in verl's step folder and the resumed run continues from the step verl
+marked saved, not from the newer unfinished save, with nothing lost (bench/reliability.py's own
+verdict), on the other cluster's ranks.
 """
 import json
 import os
@@ -19,8 +22,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import reliability  # noqa: E402
 
 from tlt_verl.integration.config import SpotSection
 from tlt_verl.launch.runner import RunConfig, RunError, run
@@ -34,6 +42,31 @@ TLT = ["+tlt.enable=true", "+tlt.drafter.init=scratch", "trainer.save_freq=1",
 # capture, pushes and their recovery are what it checks. The resumed run keeps the default
 # (tlt.spot.train_drafter=auto), which on CPU serves the resumed drafter without training it.
 TRAIN = ["+tlt.spot.train_drafter=true"]
+
+
+# On the first run's PYTHONPATH (its processes alone): the process that saves the checkpoint (verl's
+# TaskRunner actor, which runs the training loop) SIGKILLs itself as it opens verl's tracker to mark
+# step KILL_IN_SAVE saved, that step's drafters and actor files written, once (the marker file). A
+# tiny model's save takes less time than a busy box takes to schedule a watcher, so the kill is
+# placed there rather than raced for (bench/reliability.py races for it).
+KILL_IN_SAVE = 3
+KILL_HOOK = '''
+import builtins, os, signal
+_step, _marker = os.environ["TLT_TEST_KILL_IN_SAVE"].split(":", 1)
+_open = builtins.open
+
+
+def open(file, mode="r", *args, **kwargs):
+    path = str(file)
+    if ("w" in str(mode) and path.endswith("latest_checkpointed_iteration.txt") and not os.path.exists(_marker)
+            and os.path.isdir(os.path.join(os.path.dirname(path), "global_step_" + _step))):
+        _open(_marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _open(file, mode, *args, **kwargs)
+
+
+builtins.open = open
+'''
 
 
 def _metrics(run_dir):
@@ -67,17 +100,28 @@ def _kill_drafter_in_step_3(run_dir, killed: dict, timeout_s: float = 1500) -> N
 @pytest.fixture(scope="module")
 def runs(assets, no_leftover_ray, tmp_path_factory, request, tlt_e2e_run):   # verl's local Ray in this module's own temp dir
     run_dir = tmp_path_factory.mktemp("tlt_e2e")
+    hook = tmp_path_factory.mktemp("kill_hook")
+    (hook / "sitecustomize.py").write_text(KILL_HOOK)
     killed: dict = {}
     killer = threading.Thread(target=_kill_drafter_in_step_3, args=(run_dir, killed), daemon=True)
     killer.start()
-    try:
-        first = run(RunConfig(steps=3, run_dir=run_dir, quiet=True, assets_root=assets["root"], overrides=TLT + TRAIN))
-    except RunError as e:
-        first = {"error": str(e)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+        mp.setenv("TLT_TEST_KILL_IN_SAVE", f"{KILL_IN_SAVE}:{hook / 'killed'}")
+        try:
+            first = run(RunConfig(steps=3, run_dir=run_dir, quiet=True, assets_root=assets["root"],
+                                  overrides=TLT + TRAIN))
+        except RunError as e:
+            first = {"error": str(e)}
     killer.join(timeout=5)
+    # The killed run's local cluster (its raylet, workers and engines) is ended by process id.
+    left_running = len(no_leftover_ray.stop())
     m1 = _metrics(run_dir)
     log1 = (run_dir / "verl.log").read_text()
     ckpts = sorted(p.name for p in _ckpt_root(run_dir).glob("global_step_*"))
+    # What the resume may count on (step 2), and the unfinished save it must not take (step 3).
+    saved = reliability.saved_on_disk(run_dir)
+    unfinished = reliability.check_step(run_dir, KILL_IN_SAVE)
     # The cluster starts once the local one has ended: its idle nodes would slow the first run.
     c = request.getfixturevalue("two_node_cluster")
     cmd = [*c["launch"], "submit", "--address", c["address"], "--nodes", "2", "--",
@@ -88,10 +132,13 @@ def runs(assets, no_leftover_ray, tmp_path_factory, request, tlt_e2e_run):   # v
                          timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     second = json.loads((run_dir / "steps.json").read_text())
+    log2 = (run_dir / "verl.log").read_text()
     tlt_e2e_run["dir"] = run_dir
     return {"dir": run_dir, "m1": m1, "log1": log1, "killed": killed, "first": first, "ckpts": ckpts,
-            "second": second, "m2": _metrics(run_dir), "log2": (run_dir / "verl.log").read_text(),
-            "stdout2": out.stdout, "cluster": c}
+            "kill_in_save": {"hook_fired": (hook / "killed").exists(), "left_running": left_running,
+                             "saved": saved, "unfinished": unfinished,
+                             "verdict": reliability.resume_verdict(saved, log2, second["steps"][-1]["step"] == 4)},
+            "second": second, "m2": _metrics(run_dir), "log2": log2, "stdout2": out.stdout, "cluster": c}
 
 
 def _ckpt_root(run_dir):
@@ -100,7 +147,9 @@ def _ckpt_root(run_dir):
 
 def test_tlt_run_completes_and_reports_tlt_metrics(runs):
     m1 = runs["m1"]
-    assert sorted(m1) == [1, 2, 3], runs["first"].get("error")
+    # Step 3's metrics were never logged: verl logs a step after saving it, and the trainer was
+    # killed in that save.
+    assert sorted(m1) == [1, 2], runs["first"].get("error")
     for step, m in m1.items():
         assert 0.0 < m["tlt/sd/sd_step_share"] <= 1.0, (step, m["tlt/sd/sd_step_share"])
         assert m["tlt/sd/acceptance_length"] >= 1.0
@@ -191,16 +240,16 @@ def test_drafter_checkpoint_in_verl_step_folder_and_resume(runs):
             assert any((folder / f"rank_{rank}").iterdir()), folder
         # verl ran its synchronous path (an async mode would also checkpoint its TransferQueue).
         assert not (root / f"global_step_{step}" / "transfer_queue").exists()
-    assert re.search(r"tlt: drafter resumed from \S*global_step_3 on 2/2 ranks", runs["log2"]), runs["log2"][-3000:]
+    assert re.search(r"tlt: drafter resumed from \S*global_step_2 on 2/2 ranks", runs["log2"]), runs["log2"][-3000:]
     # The bandit carries on from the saved state. The resumed run names the pulls it loaded: the
     # bandit's selections, one per bucket at the start and one after each completed pull (counted
     # here from the arms' pull counts). And the states its replicas saved after step 4 continue
-    # step 3's: no arm's count went down, and each random stream is the saved one advanced by step
-    # 4's selections (two draws at most each), not one started over.
+    # step 2's: no arm's count went down, and each random stream is the saved one advanced by steps
+    # 3 and 4's selections (two draws at most each), not one started over.
     def policy(step):
         return json.loads((_ckpt_root(runs["dir"]) / f"global_step_{step}" / "tlt_drafter" / "sd_policy.json").read_text())
 
-    saved, after = policy(3), policy(4)
+    saved, after = policy(2), policy(4)
     assert len(saved) == len(after) >= 2 and all(saved) and all(after)
     selections = sum(sum(map(sum, s["bandit"]["counts"])) + len(s["bandit"]["counts"]) for s in saved)
     assert f"SD policy resumed: {selections} bandit pulls" in runs["log2"], runs["log2"][-3000:]
@@ -210,9 +259,9 @@ def test_drafter_checkpoint_in_verl_step_folder_and_resume(runs):
         new = sum(map(sum, c4)) - sum(map(sum, c3))
         assert _advanced_by(s3["bandit"]["rng"], s4["bandit"]["rng"], 2 * new), (c3, c4)
     m2 = runs["m2"]
-    assert sorted(m2) == [4]
+    assert sorted(m2) == [3, 4]
     # The resumed drafter carries on from the saved one (its optimizer step count), not from scratch.
-    assert m2[4]["tlt/drafter/state_version"] >= runs["m1"][3]["tlt/drafter/state_version"] > 0
+    assert m2[4]["tlt/drafter/state_version"] >= runs["m1"][2]["tlt/drafter/state_version"] > 0
 
 
 def test_on_cpu_the_default_serves_the_drafter_without_training_or_capture(runs):
@@ -236,20 +285,38 @@ def test_on_cpu_the_default_serves_the_drafter_without_training_or_capture(runs)
 
 def test_sigkill_of_the_drafter_mid_step_loses_no_checkpoint(runs):
     """The drafter's process was SIGKILLed while it trained in step 3: the actor rank that hosts it
-    lived on, restarted it from step 2's drafter checkpoint, and the run finished all 3 steps with
-    every checkpoint whole (the resumed run loaded step 3's drafter on every rank, see above)."""
+    lived on, restarted it from step 2's drafter checkpoint, and step 3's save holds every rank's
+    drafter, whole (the restarted one's; checked before the resume rewrote the step)."""
     pid = runs["killed"].get("pid")
     assert pid, "no drafter session started in step 3"
-    assert "error" not in runs["first"], runs["first"]["error"]
     assert f"tlt: drafter process {pid} died (killed by signal 9)" in runs["log1"]
     assert re.search(r"tlt: drafter process \d+ resumed from \S*global_step_2/tlt_drafter/rank_\d/ckpt-\S+\.pt",
                      runs["log1"]), runs["log1"][-3000:]
-    m1 = runs["m1"]
-    assert m1[2]["tlt/drafter/restarts"] == 0 and m1[3]["tlt/drafter/restarts"] == 1
+    assert runs["m1"][2]["tlt/drafter/restarts"] == 0
+    unfinished = runs["kill_in_save"]["unfinished"]
+    assert unfinished["problems"] == [] and len(unfinished["drafter_versions"]) == 2, unfinished
+
+
+def test_a_trainer_killed_in_the_middle_of_a_save_resumes_with_nothing_lost(runs):
+    """verl's trainer (the TaskRunner actor that runs the training loop and saves) was SIGKILLed
+    in step 3's save, after its drafters and verl's actor files were written and before verl
+    marked the step saved; the run ended there. Judged by bench/reliability.py's own checks:
+    every step verl marked saved was whole after the kill; the resumed run named step 2's
+    checkpoint, not step 3's newer unfinished one, resumed every rank's drafter at its saved
+    version or later and the bandit at its saved pulls, and finished; step 3 was saved again,
+    whole, by the resumed run."""
+    k = runs["kill_in_save"]
+    assert k["hook_fired"] and "The actor died unexpectedly" in runs["first"].get("error", ""), runs["first"]
     assert runs["ckpts"] == ["global_step_1", "global_step_2", "global_step_3"]
-    latest = _ckpt_root(runs["dir"]) / "latest_checkpointed_iteration.txt"
-    assert latest.read_text().strip() == "4"
-    assert sorted(runs["m2"]) == [4] and runs["second"]["steps"][-1]["step"] == 4
+    assert k["saved"]["saved_step"] == 2 and k["saved"]["checkpoint_problems"] == [], k["saved"]
+    v = k["verdict"]
+    assert v["resumed_from"] == 2 and v["lost_checkpoints"] == [], v
+    assert v["drafter_at_saved_version_or_later"] and len(v["resumed_drafter_versions"]) == 2, v
+    assert v["bandit_resumed"] and v["resumed"], v
+    assert reliability.saved_step(runs["dir"]) == 4
+    for step in (3, 4):
+        assert reliability.check_step(runs["dir"], step)["problems"] == [], step
+    assert sorted(runs["m2"]) == [3, 4] and runs["second"]["steps"][-1]["step"] == 4
 
 
 def test_each_save_leaves_an_export_for_serving(runs):
