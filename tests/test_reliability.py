@@ -1,5 +1,7 @@
 """Killed in the middle of a checkpoint save, resumed with nothing lost: one trial of
-bench/reliability.py, short.
+bench/reliability.py, short, through the bench's own watcher and kill (opt-in: two launches).
+CI takes the same path in tests/test_tlt_e2e.py, whose first run is killed in step 3's save and
+judged by the bench's own checks (`saved_on_disk`, `resume_verdict`).
 
 A two-step TLT run of the CPU recipe (short steps, bench/reliability.py's SHORT; a drafter from
 scratch, trained in the rollout; a checkpoint every step) has its driver SIGKILLed in the middle of
