@@ -27,3 +27,33 @@ def portable(value: Any) -> Any:
 
 def portable_settings(settings: dict) -> dict:
     return {k: portable(v) for k, v in settings.items() if k not in SCRATCH_KEYS}
+
+
+def default_prompts(target: str | Path) -> str:
+    """"task" for the task's own targets, "chat" (tlt_verl.task.chat_longtail) for a pretrained LM.
+
+    The task's tokenizer is trained on the task's text alone (TARGET_VOCAB_SIZE tokens at most):
+    a target with a larger vocabulary is a pretrained LM, to which the task's format means nothing.
+    """
+    import json
+
+    from tlt_verl.task.tokenizer import TARGET_VOCAB_SIZE
+
+    vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+    return "task" if vocab <= TARGET_VOCAB_SIZE else "chat"
+
+
+def kv_cache_bytes(target: str | Path, seqs: int, model_len: int) -> int:
+    """KV cache that holds ``seqs`` sequences of ``model_len`` tokens of the fp32 target plus a
+    one-layer drafter, and never less than the rollout server's CPU default: a real LM's cache
+    outgrows that default at a full batch of long responses, and a short cache would preempt
+    requests and time the preemptions instead of the decoding."""
+    import json
+
+    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
+
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * (cfg["num_hidden_layers"] + 1) * heads * head_dim * 4
+    return max(DEFAULT_CPU_KV_CACHE_BYTES, int(seqs * model_len * per_token * 1.2))

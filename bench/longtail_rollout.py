@@ -17,7 +17,17 @@ machine's load falls on all of them alike. Reported per mode: rollout wall clock
 rounds), tokens/s over time and against the running batch size (from the engine's per-step
 records, patches/vllm_sd/runtime.py), and at T=0 whether each output equals plain decoding.
 Writes the JSON to --out and a PNG next to it. Without --drafter, one is trained first
-(`tlt-verl drafter warmup`, --train-s seconds).
+(`tlt-verl drafter warmup`, --train-s seconds). Each mode's time is also split by phase
+(`phases`): the crowded phase, steps whose running batch is above --tail-batch, and the tail.
+
+A pretrained chat LM as --target gets tlt_verl.task.chat_longtail's prompts through its chat
+template (`--prompts chat`, the default for a target whose vocabulary is not the task's).
+
+`--never-lose`: the SD engine starts with a scratch drafter (--drafter's folder, its weights
+redrawn at random: the same shapes, acceptance near 0), the adaptive policy must keep up with
+plain decoding over --rounds rounds (goal 0.95x); then --drafter's own weights are pushed into the
+running engine (the hot-swap the trainer uses) and --rounds-after-push more rounds show whether
+the policy turns SD back on. Writes `never_lose` with both parts, and the arms per bucket per round.
 """
 from __future__ import annotations
 
@@ -32,22 +42,46 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench import portable_settings  # noqa: E402
+from bench import default_prompts, kv_cache_bytes, portable_settings  # noqa: E402
 DEFAULT_TARGET = REPO / ".cache/tlt/assets/sft_model"
 GOALS = {"vs_plain": 1.5, "vs_best_fixed": 1.0}
+NEVER_LOSE_GOAL = 0.95  # adaptive over plain with a drafter that accepts almost nothing
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def round_prompts(target: str, n: int, rnd: int) -> list[list[int]]:
+def round_prompts(target: str, n: int, rnd: int, kind: str = "task") -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from tlt_verl.task.prepare import VAL_SEED
     from tlt_verl.drafter.warmup import task_prompts
+    from tlt_verl.task.chat_longtail import chat_prompt_ids
+    from tlt_verl.task.prepare import VAL_SEED
 
-    return task_prompts(AutoTokenizer.from_pretrained(target), n, VAL_SEED + rnd)
+    make = chat_prompt_ids if kind == "chat" else task_prompts
+    return make(AutoTokenizer.from_pretrained(target), n, VAL_SEED + rnd)
+
+
+def scratch_drafter(folder: str, out: Path, seed: int = 0) -> Path:
+    """A copy of the drafter folder whose floating-point weights are redrawn at random, each
+    tensor at its own scale: it serves with the same config, vocabulary map and shapes (so the
+    trained weights can be pushed into it later), and its drafts are almost never accepted."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(folder, out)
+    gen = torch.Generator().manual_seed(seed)
+    weights = load_file(str(Path(folder) / "model.safetensors"))
+    for name, w in weights.items():
+        if w.is_floating_point() and w.numel() > 1 and float(w.float().std()) > 0:
+            weights[name] = (torch.randn(w.shape, generator=gen) * w.float().std() + w.float().mean()).to(w.dtype)
+    save_file(weights, str(out / "model.safetensors"))
+    return out
 
 
 async def run_engines(args) -> dict:
@@ -57,7 +91,7 @@ async def run_engines(args) -> dict:
     from tlt_verl.rollout.config import drafter_speculative_config
     from tlt_verl.rollout.engine.offline import use_engine_env
     from tlt_verl.rollout.engine.sd_loop import AdaptiveSDLoop, summarize
-    from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES, start_engine
+    from tlt_verl.rollout.engine.server import start_engine
     from tlt_verl.rollout.policy import AdaptiveSDPolicy, BanditConfig, SDPolicyConfig
 
     use_engine_env()
@@ -65,22 +99,28 @@ async def run_engines(args) -> dict:
     max_k = max(arms)
     base = dict(model=args.target, skip_tokenizer_init=True, dtype="float32", enforce_eager=not args.compile,
                 seed=args.seed,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=32768, kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=32768,
+                kv_cache_memory_bytes=kv_cache_bytes(args.target, args.max_num_seqs, args.max_model_len),
                 disable_log_stats=False)
+    served = args.drafter
+    if args.never_lose:
+        served = str(scratch_drafter(args.drafter, Path(args.phase_out).parent / "scratch_drafter", args.seed))
     # As the rollout server serves it: a parallel-drafting drafter gets all k drafts from one forward.
-    spec = drafter_speculative_config(args.drafter, args.method, max_k,
+    spec = drafter_speculative_config(served, args.method, max_k,
                                       num_speculative_tokens_per_batch_size=[[1, args.max_num_seqs, max_k]])
     t = time.time()
     plain = start_engine(base)
-    sd = start_engine({**base, "speculative_config": spec})
+    # The worker extension carries the drafter hot-swap (drafter_reload.py), as in the rollout server.
+    sd = start_engine({**base, "speculative_config": spec,
+                       "worker_extension_cls": "tlt_verl.rollout.engine.worker_extension.TLTWorkerExtension"})
     log(f"engines up in {time.time() - t:.1f}s")
     adaptive = {}
     for i, spec in enumerate(args.adaptive):
         values, explore = spec.split(":")
         adaptive["adaptive" if i == 0 else f"adaptive_{values}_{explore}"] = AdaptiveSDPolicy(
             SDPolicyConfig(threshold=args.threshold, steps_per_pull=args.steps_per_pull, values=values,
-                           bandit=BanditConfig(arms=arms, seed=args.seed, explore=explore)),
+                           bandit=BanditConfig(arms=arms, seed=args.seed, explore=explore,
+                                               step_size=args.step_size)),
             max_k=max_k, max_batch=args.max_num_seqs)
     fixed = [k for k in arms if k > 0]
     modes = ["plain"] + [f"fixed_k{k}" for k in fixed] + list(adaptive)
@@ -117,14 +157,23 @@ async def run_engines(args) -> dict:
     try:
         # A whole unrecorded round first: oneDNN and vLLM warm up per batch shape, and the first
         # pass over each shape would otherwise land on whichever mode met it first.
-        warm = round_prompts(args.target, args.num_prompts, 1000)
+        warm = round_prompts(args.target, args.num_prompts, 1000, args.prompts)
         for m in modes:
             if m not in adaptive:  # the bandit learns only from recorded rounds
                 await rollout(engines[m], warm, loops[m])
         log("warm-up round done")
         res = {m: [] for m in modes}
-        for rnd in range(args.rounds):
-            prompts = round_prompts(args.target, args.num_prompts, rnd)
+        arms_per_round, pushed = {m: [] for m in adaptive}, None
+        total = args.rounds + (args.rounds_after_push if args.never_lose else 0)
+        for rnd in range(total):
+            if args.never_lose and rnd == args.rounds:
+                from tlt_verl.rollout.engine.drafter_push import DrafterManifest, push_drafter_async
+
+                sha = await push_drafter_async(sd, DrafterManifest.from_folder(served),
+                                               Path(args.drafter) / "model.safetensors")
+                pushed = {"after_round": rnd - 1, "sha256": sha}
+                log(f"pushed {args.drafter} into the SD engine (sha256 {sha[:12]})")
+            prompts = round_prompts(args.target, args.num_prompts, rnd, args.prompts)
             order = modes if rnd % 2 == 0 else modes[::-1]
             for m in order:
                 out = await rollout(engines[m], prompts, loops[m])
@@ -132,8 +181,10 @@ async def run_engines(args) -> dict:
                 log(f"round {rnd} {m:>10}: {out['wall_s']:6.2f}s  {sum(map(len, out['tokens']))} tokens  "
                     f"SD share {out['summary']['sd_step_share']:.2f}  acc_len {out['summary']['acceptance_length']:.2f}")
             for m in adaptive:
+                arms_per_round[m].append(loops[m].arms())
                 log(f"round {rnd} {m} arms per bucket {loops[m].arms()}")
         return {"modes": modes, "rounds": res, "bandit": adaptive["adaptive"].bandit.state_dict(),
+                "arms_per_round": arms_per_round, "pushed": pushed,
                 "final_arms": loops["adaptive"].arms(),
                 "others": {m: {"bandit": p.bandit.state_dict(), "final_arms": loops[m].arms()}
                            for m, p in adaptive.items() if m != "adaptive"}}
@@ -156,6 +207,39 @@ class _FixedK:
 
 
 def analyse(raw: dict, args) -> dict:
+    if not args.never_lose:
+        return analyse_rounds(raw, args)
+    # The scratch rounds and the rounds after the push, each its own comparison of the modes.
+    parts = {name: analyse_rounds({**raw, "rounds": {m: r[sl] for m, r in raw["rounds"].items()}}, args)
+             for name, sl in (("scratch", slice(0, args.rounds)), ("pushed", slice(args.rounds, None)))
+             if raw["rounds"]["plain"][sl]}
+    scratch = parts["scratch"]
+    after = parts.get("pushed")
+    on_after = None
+    if after is not None:
+        share = [s["sd_step_share"] for s in after["modes"]["adaptive"]["summary_per_round"]]
+        at_push = raw["arms_per_round"]["adaptive"][args.rounds - 1]
+        # "Back on" means something only where the scratch rounds had turned SD off.
+        on_after = {"sd_step_share_per_round": share, "arms_at_push": at_push,
+                    "sd_was_off": not any(k > 0 for k in at_push.values()),
+                    "final_arms": raw["final_arms"],
+                    "sd_back_on": any(k > 0 for k in raw["final_arms"].values()) and share[-1] > 0,
+                    "adaptive_vs_plain": after["speedup"]["adaptive_vs_plain"]}
+    out = {**scratch, "never_lose": {
+        "goal_adaptive_vs_plain": NEVER_LOSE_GOAL,
+        "adaptive_vs_plain": scratch["speedup"]["adaptive_vs_plain"],
+        "met": scratch["speedup"]["adaptive_vs_plain"] >= NEVER_LOSE_GOAL,
+        "sd_step_share_per_round": [s["sd_step_share"] for s in scratch["modes"]["adaptive"]["summary_per_round"]],
+        "acceptance_length_per_round": [s["acceptance_length"]
+                                        for s in scratch["modes"]["adaptive"]["summary_per_round"]],
+        "push": raw["pushed"], "after_push": on_after}}
+    if after is not None:
+        out["after_push"] = {k: after[k] for k in ("modes", "speedup", "throughput_speedup", "phases",
+                                                   "phases_vs_plain", "by_batch", "by_batch_vs_plain")}
+    return out
+
+
+def analyse_rounds(raw: dict, args) -> dict:
     modes = raw["modes"]
     plain_tokens = [r["tokens"] for r in raw["rounds"]["plain"]]
     out = {"config": portable_settings(vars(args)), "modes": {}}
@@ -178,6 +262,7 @@ def analyse(raw: dict, args) -> dict:
     out["throughput_speedup"] = _ratios({m: out["modes"][m]["tokens"] / wall[m] for m in modes})
     out["goals"] = GOALS
     out["final_arms"] = raw["final_arms"]
+    out["arms_per_round"] = raw["arms_per_round"]
     out["bandit"] = raw["bandit"]
     out["other_adaptive"] = raw["others"]
     # Step series of the last round: what the plot shows.
@@ -186,6 +271,26 @@ def analyse(raw: dict, args) -> dict:
     out["by_batch"] = {m: by_batch([s for r in raw["rounds"][m] for s in r["records"]]) for m in modes}
     out["by_batch_vs_plain"] = {m: {b: v / out["by_batch"]["plain"][b] for b, v in out["by_batch"][m].items()
                                     if out["by_batch"]["plain"].get(b)} for m in modes if m != "plain"}
+    out["tail_batch"] = args.tail_batch
+    out["phases"] = {m: phases([s for r in raw["rounds"][m] for s in r["records"]], args.tail_batch) for m in modes}
+    out["phases_vs_plain"] = {m: {p: {"tokens_per_s": v["tokens_per_s"] / out["phases"]["plain"][p]["tokens_per_s"],
+                                      "seconds": v["seconds"] / out["phases"]["plain"][p]["seconds"]}
+                                  for p, v in out["phases"][m].items() if out["phases"]["plain"][p]["seconds"] > 0}
+                              for m in modes if m != "plain"}
+    return out
+
+
+def phases(records: list[dict], tail_batch: int) -> dict:
+    """Engine seconds, tokens and tokens per second of the crowded phase (running batch above
+    `tail_batch`) and of the tail, prefill steps included: the rollout waits for them too."""
+    out = {p: {"steps": 0, "seconds": 0.0, "tokens": 0} for p in ("crowded", "tail")}
+    for s in records:
+        p = out["tail" if s["batch"] <= tail_batch else "crowded"]
+        p["steps"] += 1
+        p["seconds"] += s["step_s"]
+        p["tokens"] += s["emitted"]
+    for p in out.values():
+        p["tokens_per_s"] = p["tokens"] / p["seconds"] if p["seconds"] > 0 else 0.0
     return out
 
 
@@ -299,6 +404,16 @@ def main(argv=None) -> None:
     ap.add_argument("--steps-per-pull", type=int, default=8)
     ap.add_argument("--adaptive", nargs="+", default=None, metavar="VALUES:EXPLORE",
                     help="sd.values:bandit.explore of each adaptive mode, the first is `adaptive` (default: the policy's)")
+    ap.add_argument("--prompts", default="auto", choices=("auto", "task", "chat"),
+                    help="task: the task's problems; chat: tlt_verl.task.chat_longtail through the target's chat "
+                         "template (auto: task for the task's targets, chat for a pretrained LM)")
+    ap.add_argument("--tail-batch", type=int, default=8,
+                    help="steps at this running batch or below count as the tail phase, above as the crowded one")
+    ap.add_argument("--step-size", type=float, default=None,
+                    help="the bandit's step_size (default: its running mean)")
+    ap.add_argument("--never-lose", action="store_true",
+                    help="start SD with a scratch copy of --drafter, then push --drafter's weights (see above)")
+    ap.add_argument("--rounds-after-push", type=int, default=2, help="with --never-lose: rounds after the push")
     ap.add_argument("--compile", action="store_true", help="torch.compile the models (vLLM's default; eager otherwise)")
     ap.add_argument("--out", default=str(REPO / "bench/results/longtail_rollout.json"))
     ap.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
@@ -322,6 +437,16 @@ def main(argv=None) -> None:
         ap.error("give --target or --target-layers, not both")
     if args.target is None:
         args.target = deep_target(args.target_layers) if args.target_layers else str(DEFAULT_TARGET)
+    if not (Path(args.target) / "config.json").is_file():
+        ap.error(f"--target {args.target}: not an HF model folder (no config.json)")
+    if args.drafter is not None and not (Path(args.drafter) / "model.safetensors").is_file():
+        ap.error(f"--drafter {args.drafter}: not an exported drafter folder (no model.safetensors)")
+    if args.never_lose and args.drafter is None:
+        ap.error("--never-lose: needs --drafter (the trained drafter pushed after the scratch rounds)")
+    if args.rounds_after_push < 0:
+        ap.error(f"--rounds-after-push {args.rounds_after_push}: must be >= 0")
+    if args.prompts == "auto":
+        args.prompts = default_prompts(args.target)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if args.drafter is None:
@@ -332,7 +457,8 @@ def main(argv=None) -> None:
     env = dict(os.environ, TLT_SCRATCH=str(scratch), TMPDIR=str(scratch / "tmp"), PYTHONUNBUFFERED="1")
     raw_path = work / "raw.json"
     subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
-                    "--target", args.target, "--drafter", args.drafter, "--phase-out", str(raw_path)], env=env, check=True, cwd=str(REPO))
+                    "--target", args.target, "--drafter", args.drafter, "--prompts", args.prompts,
+                    "--phase-out", str(raw_path)], env=env, check=True, cwd=str(REPO))
     result = analyse(json.loads(raw_path.read_text()), args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -347,6 +473,18 @@ def main(argv=None) -> None:
     for m in result["modes"]:
         if m.startswith("adaptive_"):
             log(f"bench: {m} {s[f'{m}_vs_plain']:.2f}x plain, {s[f'{m}_vs_best_fixed']:.2f}x the best fixed")
+    ph = result["phases_vs_plain"]["adaptive"]
+    log("bench: adaptive over plain by phase (tokens/s): " + ", ".join(
+        f"{p} {v['tokens_per_s']:.2f}x" for p, v in ph.items()) + f" (tail: running batch <= {args.tail_batch})")
+    if args.never_lose:
+        nl = result["never_lose"]
+        after = nl["after_push"]
+        log(f"bench: never lose: scratch drafter, adaptive {nl['adaptive_vs_plain']:.2f}x plain "
+            f"(goal {NEVER_LOSE_GOAL}: {'met' if nl['met'] else 'NOT met'}), SD step share per round "
+            f"{[round(x, 2) for x in nl['sd_step_share_per_round']]}"
+            + ("" if after is None else f"; arms at the push {after['arms_at_push']} (SD off: {after['sd_was_off']}); "
+               f"after it: SD step share {[round(x, 2) for x in after['sd_step_share_per_round']]}, arms "
+               f"{after['final_arms']}, SD back on: {after['sd_back_on']}, adaptive {after['adaptive_vs_plain']:.2f}x plain"))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Same target, prompts and settings as bench/sd_threshold.py (whose k=0 row, 1.6x 
 measured before patches/vllm_sd/catch_up.py stopped the drafter's forward at k=0). Each of
 `--rounds` rounds measures both engines, in alternating order; a round's ratio is the median
 decode step of the SD engine at k=0 over the plain engine's, and the result gives every round's
-ratio and their median (`k0_over_plain`).
+ratio and their median (`k0_over_plain`). For another target and a trained drafter,
+`bench/sd_step_cost.py --ks 0,... --off-out FILE` writes the same result from its own rounds.
 """
 from __future__ import annotations
 
@@ -25,6 +26,23 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench import portable_settings  # noqa: E402
 from bench.sd_threshold import _measure, _random_drafter  # noqa: E402
+
+
+def off_cost_result(rounds: list[dict], sizes: list[int], what: str, **extra) -> dict:
+    """The result file from rounds of {"order", "plain_step_ms": {b: ms}, "sd_k0_step_ms": {b: ms}}:
+    each round's ratio per batch and their median (`k0_over_plain`)."""
+    rounds = [{**x, "k0_over_plain": {b: x["sd_k0_step_ms"][b] / x["plain_step_ms"][b] for b in sizes}}
+              for x in rounds]
+    return {
+        "what": what,
+        "k0_over_plain": {str(b): statistics.median(x["k0_over_plain"][b] for x in rounds) for b in sizes},
+        "spread": {str(b): [min(x["k0_over_plain"][b] for x in rounds), max(x["k0_over_plain"][b] for x in rounds)]
+                   for b in sizes},
+        "rounds": [{**x, **{key: {str(b): v for b, v in x[key].items()}
+                            for key in ("plain_step_ms", "sd_k0_step_ms", "k0_over_plain")}} for x in rounds],
+        **extra,
+        "host": {"cpus": len(os.sched_getaffinity(0)), "machine": platform.machine(), "loadavg_at_end": os.getloadavg()},
+    }
 
 
 def main(argv=None) -> int:
@@ -67,28 +85,20 @@ def main(argv=None) -> int:
                 for arm in order:
                     ms[arm][b] = _measure(llms[arm], [b], args.tokens, args.prompt_len, vocab, args.repeats)[0][
                         "decode_step_ms"]
-            rounds.append({"order": list(order), "plain_step_ms": ms["plain"], "sd_k0_step_ms": ms["sd_k0"],
-                           "k0_over_plain": {b: ms["sd_k0"][b] / ms["plain"][b] for b in sizes}})
-            print(f"round {r + 1}: " + ", ".join(f"batch {b}: {rounds[-1]['k0_over_plain'][b]:.3f}" for b in sizes),
+            rounds.append({"order": list(order), "plain_step_ms": ms["plain"], "sd_k0_step_ms": ms["sd_k0"]})
+            print(f"round {r + 1}: " + ", ".join(f"batch {b}: {ms['sd_k0'][b] / ms['plain'][b]:.3f}" for b in sizes),
                   flush=True)
     finally:
         for llm in llms.values():
             llm.llm_engine.engine_core.shutdown()
-    ratios = {str(b): statistics.median(x["k0_over_plain"][b] for x in rounds) for b in sizes}
-    result = {
-        "what": "decode step at k=0 in an engine with an EAGLE-1 drafter over the same step in a plain engine "
-                "(median of the engine's per-step records, fastest of --repeats generations; tiny SFT target)",
-        "k0_over_plain": ratios,
-        "spread": {str(b): [min(x["k0_over_plain"][b] for x in rounds), max(x["k0_over_plain"][b] for x in rounds)]
-                   for b in sizes},
-        "rounds": [{**x, "plain_step_ms": {str(b): v for b, v in x["plain_step_ms"].items()},
-                    "sd_k0_step_ms": {str(b): v for b, v in x["sd_k0_step_ms"].items()},
-                    "k0_over_plain": {str(b): v for b, v in x["k0_over_plain"].items()}} for x in rounds],
-        "before": "bench/results/sd_threshold.json, k=0 rows (vLLM's own k=0: drafter forward every step): "
-                  "1.63x at batch 1, 1.55x at 8, 0.89x at 64",
-        "host": {"cpus": len(os.sched_getaffinity(0)), "machine": platform.machine(), "loadavg_at_end": os.getloadavg()},
-        "args": portable_settings(vars(args)), "seconds": time.time() - t0,
-    }
+    result = off_cost_result(
+        rounds, sizes,
+        what="decode step at k=0 in an engine with an EAGLE-1 drafter over the same step in a plain engine "
+             "(median of the engine's per-step records, fastest of --repeats generations; tiny SFT target)",
+        before="bench/results/sd_threshold.json, k=0 rows (vLLM's own k=0: drafter forward every step): "
+               "1.63x at batch 1, 1.55x at 8, 0.89x at 64",
+        args=portable_settings(vars(args)), seconds=time.time() - t0)
+    ratios = result["k0_over_plain"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print("k0_over_plain", json.dumps({b: round(v, 3) for b, v in ratios.items()}))

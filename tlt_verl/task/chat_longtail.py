@@ -70,6 +70,14 @@ def generate_conversations(n: int, seed: int) -> list[tuple[str, list[dict]]]:
     return out
 
 
+def chat_prompt_ids(tokenizer, n: int, seed: int) -> list[list[int]]:
+    """Token ids of ``n`` conversations (``generate_conversations``) through the tokenizer's chat
+    template, as a rollout feeds them to the engine."""
+    from tlt_verl.drafter.warmup import chat_prompts
+
+    return chat_prompts(tokenizer, [m for _, m in generate_conversations(n, seed)])
+
+
 def write_parquet(path: str | Path, n: int, seed: int) -> Path:
     """The prompts as a verl RL parquet file (no reward: the workload is for rollout and warm-up)."""
     import pandas as pd
@@ -102,12 +110,11 @@ def measure_lengths(model_dir: str | Path, n: int, seed: int, max_tokens: int, t
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from tlt_verl.drafter.warmup import chat_prompts
     from tlt_verl.rollout.engine.offline import offline_llm
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pairs = generate_conversations(n, seed)
-    prompts = chat_prompts(tokenizer, [m for _, m in pairs])
+    prompts = chat_prompt_ids(tokenizer, n, seed)
     engine = offline_llm(str(model_dir)).llm_engine
     params = SamplingParams(temperature=temperature, top_k=0, top_p=1.0, max_tokens=max_tokens)
     # Stepped by hand rather than LLM.generate, which returns nothing until every request is done.
