@@ -76,12 +76,15 @@ def _drafter(args) -> int:
     # checkpoint) surfaces as ValueError / OSError with a one-line message.
     try:
         if args.drafter_cmd == "warmup":
+            from tlt_verl.drafter.draft_vocab import parse_draft_vocab
             from tlt_verl.drafter.warmup import WarmupConfig, run_warmup
 
             prompts_file, num_prompts = _warmup_prompts(args)
             run_warmup(WarmupConfig(target=args.target, out=args.out, kind=args.kind,
                                     parallel_drafting=args.parallel_drafting, init=args.init,
-                                    budget_s=args.budget_s, max_steps=args.max_steps, num_prompts=num_prompts,
+                                    draft_vocab=parse_draft_vocab(args.draft_vocab),
+                                    budget_s=args.budget_s, total_budget_s=args.total_budget_s,
+                                    max_steps=args.max_steps, num_prompts=num_prompts,
                                     prompts_file=prompts_file, max_new_tokens=args.max_new_tokens,
                                     generator=args.generator, layout=args.layout))
         else:
@@ -155,7 +158,13 @@ def _add_drafter_parser(sub) -> None:
     w.add_argument("--kind", choices=["eagle", "eagle3"], default="eagle")
     w.add_argument("--parallel-drafting", action="store_true",
                    help="eagle3: train for vLLM's parallel drafting (all k drafts from one drafter forward)")
+    w.add_argument("--draft-vocab", default="auto", metavar="auto|N",
+                   help="eagle3: draft over the N target tokens most frequent in the warm-up's responses; auto: the "
+                        "whole vocabulary up to 8192 tokens, the 8192 most frequent for a larger one")
     w.add_argument("--budget-s", type=float, default=600.0, help="training wall-clock budget")
+    w.add_argument("--total-budget-s", type=float, default=None,
+                   help="the whole warm-up's wall-clock budget (generation, capture, training, export); "
+                        "training stops early to fit it")
     w.add_argument("--max-steps", type=int, default=None)
     w.add_argument("--init", default=None, help="an existing EAGLE drafter folder to start from")
     w.add_argument("--prompts", default=str(WARMUP_PROMPTS), metavar="N|FILE.parquet",

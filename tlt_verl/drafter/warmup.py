@@ -2,6 +2,7 @@
 
     responses = target.generate(task prompts)          vLLM (the rollout engine) or HF generate
     features  = one HF forward over prompt + response  (capture.hf_capture, as the actor pass)
+    draft vocabulary  eagle3, large vocabularies: the responses' most frequent tokens (draft_vocab)
     DataBuffer(step 0) -> DrafterTrainer under a wall-clock / step budget -> export_drafter
 
 The prompts are the task's (generated) by default, or the first rows of a parquet file in verl's
@@ -33,6 +34,7 @@ from tlt_verl.capture import BufferConfig, DataBuffer, capture_samples
 from . import build_drafter, target_tensors
 from .checkpoint import CheckpointManager, load_latest
 from .config import KINDS, DrafterConfig
+from .draft_vocab import AUTO, AUTO_SIZE, coverage, coverage_curve, parse_draft_vocab, resolve_draft_vocab, token_counts
 from .export import LAYOUTS, export_drafter, load_drafter, read_drafter_config
 from .packing import pack
 from .trainer import DrafterTrainer, TrainerConfig
@@ -50,8 +52,14 @@ class WarmupConfig:
     out: str
     kind: str = "eagle"
     parallel_drafting: bool = False    # eagle3 only: all k drafts from one forward (DrafterConfig)
+    # eagle3 only: how many target tokens the drafter drafts over, the most frequent in the warm-up's
+    # responses; "auto": the whole vocabulary when small, draft_vocab.AUTO_SIZE when larger.
+    draft_vocab: int | str = AUTO
     init: str | None = None            # an EAGLE folder to start from (warm start)
     budget_s: float = 600.0            # training wall clock (generation and capture excluded)
+    # The whole warm-up's wall clock (loading, generation, capture, training, export): training
+    # stops early to fit it. None: no limit but budget_s.
+    total_budget_s: float | None = None
     max_steps: int | None = None
     num_prompts: int = 256             # task prompts generated, or at most this many rows of prompts_file
     prompts_file: str | None = None    # verl-format parquet of chat prompts (None: the task's prompts)
@@ -74,7 +82,12 @@ class WarmupConfig:
         need(self.generator in GENERATORS, f"generator={self.generator!r}: must be one of {', '.join(GENERATORS)}")
         need((self.layout, self.kind) in LAYOUTS, f"layout={self.layout!r}: must be vllm or sglang")
         need(not self.parallel_drafting or self.kind == "eagle3", "parallel_drafting: only with kind='eagle3'")
+        try:
+            parse_draft_vocab(self.draft_vocab)
+        except ValueError:
+            need(False, f"draft_vocab={self.draft_vocab!r}: must be 'auto' or an int >= 1")
         need(self.budget_s > 0, f"budget_s={self.budget_s}: must be > 0")
+        need(self.total_budget_s is None or self.total_budget_s > 0, f"total_budget_s={self.total_budget_s}: must be > 0")
         need(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps}: must be >= 1")
         need(self.num_prompts >= 2, f"num_prompts={self.num_prompts}: must be >= 2")
         need(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens}: must be >= 1")
@@ -201,18 +214,33 @@ def generate_vllm(target_dir: Path, prompts: list[list[int]], cfg: WarmupConfig)
 # ---------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def top1_agreement(drafter, samples) -> float:
+def target_greedy(drafter, samples, chunk: int = 1024) -> list[torch.Tensor]:
+    """The target's greedy next token at each response slot of each sample: a full-vocabulary
+    argmax, so computed once per warm-up (not per evaluation) and in chunks of tokens."""
+    head = drafter.target.lm_head_weight
+    wants = []
+    for s in samples:
+        b = pack([s.aligned()], s.length - 1)
+        h = b["target_hidden"].to(head.dtype)[b["loss_mask"] > 0]
+        wants.append(torch.cat([(h[i: i + chunk] @ head.T).argmax(-1) for i in range(0, len(h), chunk)])
+                     if len(h) else torch.zeros(0, dtype=torch.long))
+    return wants
+
+
+@torch.no_grad()
+def top1_agreement(drafter, samples, wants: list[torch.Tensor] | None = None) -> float:
     """Fraction of response slots where the drafter's first draft token is the target's greedy
-    next token (what greedy verification would accept at depth 1)."""
+    next token (what greedy verification would accept at depth 1). ``wants``: ``target_greedy``'s
+    answer for these samples, when the caller evaluates more than once."""
     hits = total = 0
     was_training = drafter.training
     drafter.eval()
     head = drafter.target.lm_head_weight
-    for s in samples:
+    wants = wants if wants is not None else target_greedy(drafter, samples)
+    for s, want in zip(samples, wants):
         b = pack([s.aligned()], s.length - 1)
         out = drafter(b["input_ids"], b["hidden"], b.position_ids)
         sel = b["loss_mask"] > 0
-        want = (b["target_hidden"].to(head.dtype)[sel] @ head.T).argmax(-1)
         if drafter.cfg.kind == "eagle":
             got = (out[sel] @ head.T).argmax(-1)
         else:
@@ -225,20 +253,43 @@ def top1_agreement(drafter, samples) -> float:
 
 # ---------------------------------------------------------------------------- the warm-up
 
+def draft_vocab_report(drafter, train: list[list[int]], heldout: list[list[int]], choose: bool) -> dict:
+    """Pick an eagle3 drafter's reduced vocabulary from the ``train`` responses' token counts
+    (``choose``; a warm-started drafter keeps the one its head was trained for) and say how well
+    it covers the responses' tokens, ``heldout`` ones (never used to pick it) apart."""
+    V = drafter.cfg.vocab_size
+    train_c, held_c = token_counts(train, V), token_counts(heldout, V)
+    reduced = drafter.cfg.kind == "eagle3" and drafter.cfg.draft_vocab < V
+    if reduced and choose:
+        drafter.set_draft_vocab(train_c)
+    t2d = drafter.t2d if reduced else torch.ones(V, dtype=torch.bool)
+    return {"draft_vocab_size": drafter.cfg.draft_vocab if drafter.cfg.kind == "eagle3" else V,
+            "draft_vocab_coverage": coverage(t2d, train_c), "draft_vocab_coverage_heldout": coverage(t2d, held_c),
+            "distinct_response_tokens": int((train_c > 0).sum()), "response_tokens": int(train_c.sum()),
+            "coverage_by_size_heldout": coverage_curve(train_c, held_c) if held_c.sum() else {}}
+
+
 def run_warmup(cfg: WarmupConfig, log: Callable[[str], None] = print) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from transformers import AutoConfig
-
+    started = time.monotonic()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     target_dir = check_model_dir(cfg.target, "--target")
     # Everything checkable from configs is checked before any weights load or tokens are sampled.
     target_config = AutoConfig.from_pretrained(target_dir)
-    dcfg = DrafterConfig.from_target(target_config, kind=cfg.kind, parallel_drafting=cfg.parallel_drafting)
+    draft_vocab = resolve_draft_vocab(cfg.draft_vocab, target_config.vocab_size, cfg.kind)
+    dcfg = DrafterConfig.from_target(target_config, kind=cfg.kind, parallel_drafting=cfg.parallel_drafting,
+                                     draft_vocab_size=draft_vocab)
     if cfg.init is not None:
-        init_kind = read_drafter_config(check_model_dir(cfg.init, "--init"), target_config).kind
-        if init_kind != cfg.kind:
-            raise ValueError(f"--init {cfg.init}: is an {init_kind} drafter, but --kind {cfg.kind}")
+        init_cfg = read_drafter_config(check_model_dir(cfg.init, "--init"), target_config)
+        if init_cfg.kind != cfg.kind:
+            raise ValueError(f"--init {cfg.init}: is an {init_cfg.kind} drafter, but --kind {cfg.kind}")
+        if cfg.draft_vocab != AUTO and init_cfg.draft_vocab != cfg.draft_vocab:
+            raise ValueError(f"--draft-vocab {cfg.draft_vocab}: --init {cfg.init} drafts over {init_cfg.draft_vocab} "
+                             f"tokens and its head is kept (leave --draft-vocab auto)")
+    if cfg.kind == "eagle" and target_config.vocab_size > AUTO_SIZE:
+        log(f"warmup: an eagle drafter drafts over the target's whole {target_config.vocab_size}-token vocabulary; "
+            f"--kind eagle3 drafts over a reduced one (--draft-vocab), far cheaper to train and to serve")
     out = Path(cfg.out)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     # A bad prompts file is refused before the target's weights load.
@@ -268,11 +319,20 @@ def run_warmup(cfg: WarmupConfig, log: Callable[[str], None] = print) -> dict:
     log(f"warmup: generated {len(gen)} responses ({sum(lengths)} tokens, p50 {lengths[len(lengths) // 2]}, "
         f"max {lengths[-1]}) with {cfg.generator} in {report['generation']['seconds']}s")
 
-    t0 = time.perf_counter()
     keep = [i for i, r in enumerate(gen) if r]
+    n_eval = int(len(keep) * cfg.eval_fraction)
+    vocab = draft_vocab_report(drafter, [gen[i] for i in keep[n_eval:]], [gen[i] for i in keep[:n_eval]],
+                               choose=cfg.init is None)
+    report.update({k: vocab[k] for k in ("draft_vocab_size", "draft_vocab_coverage", "draft_vocab_coverage_heldout")})
+    report["draft_vocab"] = vocab
+    held_cov = vocab["draft_vocab_coverage_heldout"]
+    log(f"warmup: drafting over {vocab['draft_vocab_size']} of {drafter.cfg.vocab_size} tokens, covering "
+        f"{vocab['draft_vocab_coverage']:.4f} of the training responses' tokens"
+        + (f", {held_cov:.4f} of the held-out ones" if held_cov is not None else ""))
+
+    t0 = time.perf_counter()
     recs = capture_samples(target, [prompts[i] + gen[i] for i in keep], [len(prompts[i]) for i in keep],
                            aux_layer_ids=drafter.cfg.aux_layer_ids, pad_id=tokenizer.pad_token_id or 0)
-    n_eval = int(len(recs) * cfg.eval_fraction)
     buffer = DataBuffer(BufferConfig(kind=cfg.kind, budget_bytes=1 << 34))
     for r in recs[n_eval:]:
         buffer.add(0, r["input_ids"], r["loss_mask"], r["final_hidden"], r["aux_hidden"])
@@ -285,31 +345,51 @@ def run_warmup(cfg: WarmupConfig, log: Callable[[str], None] = print) -> dict:
     log(f"warmup: captured hidden states of {len(recs)} samples in {report['capture']['seconds']}s "
         f"({buffer.memory_bytes / 2**20:.1f} MiB buffered, {len(eval_samples)} held out)")
 
-    before = top1_agreement(drafter, eval_samples) if eval_samples else None
+    t0 = time.monotonic()
+    wants = target_greedy(drafter, eval_samples)
+    before = top1_agreement(drafter, eval_samples, wants) if eval_samples else None
+    eval_s = time.monotonic() - t0
     trainer = DrafterTrainer(drafter, buffer, tcfg)
     deadline = time.monotonic() + cfg.budget_s
+    if cfg.total_budget_s is not None:
+        # Kept for what follows training: the held-out evaluation again (about half of what it
+        # cost just now: the target's greedy tokens are reused) and the checkpoint and export.
+        deadline = min(deadline, started + cfg.total_budget_s - 0.5 * eval_s - 5.0)
+        if deadline <= time.monotonic():
+            log(f"warmup: --total-budget-s {cfg.total_budget_s:g} spent before training; the drafter is "
+                f"exported as initialised")
+
+    last_step_s = [0.0]
 
     def progress(step: int, m: dict) -> None:
+        last_step_s[0] = m["step_s"]
         if step % cfg.log_every == 0 or step == 1:
             log(f"warmup: step {step} loss {m['loss']:.4f} lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} "
                 f"{m['step_s']:.2f}s/step")
 
     log(f"warmup: training the {cfg.kind} drafter for up to {cfg.budget_s:g}s"
         + (f" / {cfg.max_steps} steps" if cfg.max_steps else ""))
-    result = trainer.train(stop=lambda: time.monotonic() >= deadline, max_steps=cfg.max_steps, on_step=progress)
-    after = top1_agreement(drafter, eval_samples) if eval_samples else None
+    # Under a total budget the next step must fit too: one begun just before the deadline would
+    # overrun it by a whole step (seconds on a real LM on a CPU).
+    margin = (lambda: last_step_s[0]) if cfg.total_budget_s is not None else (lambda: 0.0)
+    result = trainer.train(stop=lambda: time.monotonic() + margin() >= deadline, max_steps=cfg.max_steps, on_step=progress)
+    after = top1_agreement(drafter, eval_samples, wants) if eval_samples else None
     hist = result.history
+    trained_tokens = sum(h["tokens"] for h in hist)
+    report["trainer_tokens_per_s"] = round(trained_tokens / result.seconds, 1) if result.seconds > 0 else None
     report["training"] = {
-        "steps": result.steps, "seconds": round(result.seconds, 1),
+        "steps": result.steps, "seconds": round(result.seconds, 1), "tokens": trained_tokens,
         "first_loss": hist[0]["loss"] if hist else None, "last_loss": hist[-1]["loss"] if hist else None,
         "top1_agreement_before": before, "top1_agreement_after": after,
     }
+    log(f"warmup: trained on {trained_tokens} tokens at {report['trainer_tokens_per_s']} tokens/s")
     if before is not None:
         log(f"warmup: {result.steps} steps in {result.seconds:.1f}s; held-out top-1 agreement "
             f"{before:.3f} -> {after:.3f}")
 
     CheckpointManager(out / "checkpoints").save({**trainer.state_dict(), "buffer": buffer.state_dict()}, trainer.step)
     export_drafter(drafter, out, engine=cfg.layout)
+    report["warmup_seconds"] = round(time.monotonic() - started, 1)
     (out / "warmup_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     log(f"warmup: drafter written to {out} ({cfg.layout} layout)")
     return report
