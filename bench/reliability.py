@@ -67,6 +67,44 @@ SHORT = ("data.train_batch_size=4", "data.max_response_length=64", "actor_rollou
 SAVE_PARTS = {"drafter": "tlt_drafter", "verl": "actor"}   # what a step's save writes first, in order
 
 
+# A `sitecustomize` for a run's PYTHONPATH (its processes alone): the process that writes verl's
+# tracker (the TaskRunner actor) stops there in step N's save, its drafters and actor files
+# written, the step not yet marked saved; once (a marker file), so that the resumed run saves the
+# step through. "kill": it SIGKILLs itself there; "hold": it waits a minute there, for a watcher to
+# kill the driver. A tiny model's save takes less time than a busy box takes to schedule a watcher.
+IN_SAVE_HOOK = '''
+import builtins, os, signal, time
+_step, _action, _marker = os.environ["TLT_IN_SAVE"].split(":", 2)
+_open = builtins.open
+
+
+def open(file, mode="r", *args, **kwargs):
+    path = str(file)
+    if ("w" in str(mode) and path.endswith("latest_checkpointed_iteration.txt") and not os.path.exists(_marker)
+            and os.path.isdir(os.path.join(os.path.dirname(path), "global_step_" + _step))):
+        _open(_marker, "w").close()
+        if _action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    return _open(file, mode, *args, **kwargs)
+
+
+builtins.open = open
+'''
+IN_SAVE_ACTIONS = ("kill", "hold")
+
+
+def in_save_hook(folder: Path, step: int, action: str) -> dict[str, str]:
+    """IN_SAVE_HOOK written into ``folder``; returns the environment a run loads it with. The
+    file ``folder/fired`` appears when it has fired."""
+    if action not in IN_SAVE_ACTIONS:
+        raise ValueError(f"in_save_hook: action {action!r}: one of {IN_SAVE_ACTIONS}")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(IN_SAVE_HOOK)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])),
+            "TLT_IN_SAVE": f"{step}:{action}:{folder / 'fired'}"}
+
+
 def launch(run_dir: Path, steps: int, ray: OwnRay, log: Path, overrides=()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tlt_verl.cli", "run", "--steps", str(steps), "--run-dir", str(run_dir),
            # The drafter trains (on CPU the default, train_drafter=auto, leaves it frozen): kills

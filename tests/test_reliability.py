@@ -19,6 +19,8 @@ watcher finds it and kills it.
 """
 import os
 import random
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,40 +32,48 @@ from bench import reliability  # noqa: E402
 
 # Two launches of Ray, verl and two vLLM replicas: 23 min on a 2-core box shared with a
 # load of 25, several minutes on an idle one, more than CI's budget has left. Opt in.
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.environ.get("TLT_TEST_RELIABILITY"),
-                                 reason="two launches of a real run (minutes); set TLT_TEST_RELIABILITY=1")]
-
-HOLD = '''
-import builtins, os, time
-_step, _marker = os.environ["TLT_TEST_HOLD_SAVE"].split(":", 1)
-_open = builtins.open
+opt_in = pytest.mark.skipif(not os.environ.get("TLT_TEST_RELIABILITY"),
+                            reason="two launches of a real run (minutes); set TLT_TEST_RELIABILITY=1")
 
 
-def open(file, mode="r", *args, **kwargs):
-    path = str(file)
-    if ("w" in str(mode) and path.endswith("latest_checkpointed_iteration.txt") and not os.path.exists(_marker)
-            and os.path.isdir(os.path.join(os.path.dirname(path), "global_step_" + _step))):
-        _open(_marker, "w").close()        # once: the resumed run saves the step through
-        time.sleep(60)
-    return _open(file, mode, *args, **kwargs)
+def _save(tmp_path, env: dict, step: int, timeout: float = 20) -> subprocess.CompletedProcess:
+    """A child that saves as verl does: step ``step``'s folder, then its tracker."""
+    ckpt = tmp_path / "ckpt"
+    code = (f"import os; os.makedirs({str(ckpt / f'global_step_{step}')!r}, exist_ok=True); "
+            f"open({str(ckpt / 'latest_checkpointed_iteration.txt')!r}, 'w').write('{step}')")
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), timeout=timeout)
 
 
-builtins.open = open
-'''
+def test_the_in_save_hook_stops_the_save_of_its_step_once(tmp_path):
+    """bench/reliability.py's in-save hook, as the e2e run and the trial below load it: the save of
+    another step goes through; its step's tracker write is where the process dies ("kill") or
+    waits ("hold"), before the tracker is written, once; the next save of that step goes through."""
+    env = reliability.in_save_hook(tmp_path / "kill", 2, "kill")
+    assert _save(tmp_path, env, 1).returncode == 0 and not (tmp_path / "kill" / "fired").exists()
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert _save(tmp_path, env, 2).returncode == -signal.SIGKILL and (tmp_path / "kill" / "fired").exists()
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert _save(tmp_path, env, 2).returncode == 0
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    (tmp_path / "ckpt" / "global_step_2").rmdir()
+    hold = reliability.in_save_hook(tmp_path / "hold", 2, "hold")
+    with pytest.raises(subprocess.TimeoutExpired):
+        _save(tmp_path, hold, 2, timeout=5)
+    assert (tmp_path / "hold" / "fired").exists()
+    with pytest.raises(ValueError, match="action 'pause'"):
+        reliability.in_save_hook(tmp_path / "x", 2, "pause")
 
 
+@pytest.mark.slow
+@opt_in
 def test_a_run_killed_in_the_middle_of_a_checkpoint_save_resumes_with_nothing_lost(assets, tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(HOLD)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("TLT_TEST_HOLD_SAVE", f"2:{tmp_path / 'held'}")
+    for key, value in reliability.in_save_hook(tmp_path / "site", 2, "hold").items():
+        monkeypatch.setenv(key, value)
     monkeypatch.setenv("TLT_HOME", str(Path(assets["root"]).parent))
     # What is checked does not depend on the drafter's quality: no warm drafter to wait for.
     rec = reliability.trial("driver", tmp_path / "trial", 2, ("saving", (2, "verl")), random.Random(0),
                             (*reliability.SHORT, "+tlt.drafter.init=scratch"))
-    assert (tmp_path / "held").exists() and rec["killed"], rec
+    assert (tmp_path / "site" / "fired").exists() and rec["killed"], rec
     # The kill landed in step 2's save, after its drafters and verl's actor files were written and
     # before verl marked it saved: the resume had a newer checkpoint on disk than the step it resumed.
     assert rec["phase"].startswith("saving step 2"), rec

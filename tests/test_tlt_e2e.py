@@ -44,29 +44,9 @@ TLT = ["+tlt.enable=true", "+tlt.drafter.init=scratch", "trainer.save_freq=1",
 TRAIN = ["+tlt.spot.train_drafter=true"]
 
 
-# On the first run's PYTHONPATH (its processes alone): the process that saves the checkpoint (verl's
-# TaskRunner actor, which runs the training loop) SIGKILLs itself as it opens verl's tracker to mark
-# step KILL_IN_SAVE saved, that step's drafters and actor files written, once (the marker file). A
-# tiny model's save takes less time than a busy box takes to schedule a watcher, so the kill is
-# placed there rather than raced for (bench/reliability.py races for it).
+# The process that saves the checkpoint (verl's TaskRunner actor) SIGKILLs itself in the middle
+# of this step's save (bench/reliability.py's in-save hook).
 KILL_IN_SAVE = 3
-KILL_HOOK = '''
-import builtins, os, signal
-_step, _marker = os.environ["TLT_TEST_KILL_IN_SAVE"].split(":", 1)
-_open = builtins.open
-
-
-def open(file, mode="r", *args, **kwargs):
-    path = str(file)
-    if ("w" in str(mode) and path.endswith("latest_checkpointed_iteration.txt") and not os.path.exists(_marker)
-            and os.path.isdir(os.path.join(os.path.dirname(path), "global_step_" + _step))):
-        _open(_marker, "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return _open(file, mode, *args, **kwargs)
-
-
-builtins.open = open
-'''
 
 
 def _metrics(run_dir):
@@ -101,13 +81,12 @@ def _kill_drafter_in_step_3(run_dir, killed: dict, timeout_s: float = 1500) -> N
 def runs(assets, no_leftover_ray, tmp_path_factory, request, tlt_e2e_run):   # verl's local Ray in this module's own temp dir
     run_dir = tmp_path_factory.mktemp("tlt_e2e")
     hook = tmp_path_factory.mktemp("kill_hook")
-    (hook / "sitecustomize.py").write_text(KILL_HOOK)
     killed: dict = {}
     killer = threading.Thread(target=_kill_drafter_in_step_3, args=(run_dir, killed), daemon=True)
     killer.start()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
-        mp.setenv("TLT_TEST_KILL_IN_SAVE", f"{KILL_IN_SAVE}:{hook / 'killed'}")
+        for key, value in reliability.in_save_hook(hook, KILL_IN_SAVE, "kill").items():
+            mp.setenv(key, value)
         try:
             first = run(RunConfig(steps=3, run_dir=run_dir, quiet=True, assets_root=assets["root"],
                                   overrides=TLT + TRAIN))
@@ -135,7 +114,7 @@ def runs(assets, no_leftover_ray, tmp_path_factory, request, tlt_e2e_run):   # v
     log2 = (run_dir / "verl.log").read_text()
     tlt_e2e_run["dir"] = run_dir
     return {"dir": run_dir, "m1": m1, "log1": log1, "killed": killed, "first": first, "ckpts": ckpts,
-            "kill_in_save": {"hook_fired": (hook / "killed").exists(), "left_running": left_running,
+            "kill_in_save": {"hook_fired": (hook / "fired").exists(), "left_running": left_running,
                              "saved": saved, "unfinished": unfinished,
                              "verdict": reliability.resume_verdict(saved, log2, second["steps"][-1]["step"] == 4)},
             "second": second, "m2": _metrics(run_dir), "log2": log2, "stdout2": out.stdout, "cluster": c}
