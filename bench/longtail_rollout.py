@@ -116,13 +116,15 @@ async def run_engines(args) -> dict:
     log(f"engines up in {time.time() - t:.1f}s")
     adaptive = {}
     for i, spec in enumerate(args.adaptive):
-        values, explore = spec.split(":")
-        adaptive["adaptive" if i == 0 else f"adaptive_{values}_{explore}"] = AdaptiveSDPolicy(
+        values, explore, *start = spec.split(":")
+        start = start[0] if start else BanditConfig.start
+        name = "adaptive" if i == 0 else "_".join(["adaptive", values, explore, *([start] if start != BanditConfig.start else [])])
+        adaptive[name] = AdaptiveSDPolicy(
             SDPolicyConfig(threshold=args.threshold, steps_per_pull=args.steps_per_pull, values=values,
-                           bandit=BanditConfig(arms=arms, seed=args.seed, explore=explore,
+                           bandit=BanditConfig(arms=arms, seed=args.seed, explore=explore, start=start,
                                                step_size=args.step_size)),
             max_k=max_k, max_batch=args.max_num_seqs)
-    fixed = [k for k in arms if k > 0]
+    fixed = [k for k in arms if k > 0] if args.fixed is None else args.fixed
     modes = ["plain"] + [f"fixed_k{k}" for k in fixed] + list(adaptive)
     calls = 0
 
@@ -297,12 +299,14 @@ def phases(records: list[dict], tail_batch: int) -> dict:
 def _ratios(speed: dict[str, float]) -> dict:
     """Adaptive and each fixed k against plain, and adaptive against the fastest fixed k, by `speed`."""
     fixed = [m for m in speed if m.startswith("fixed")]
-    best = max(fixed, key=speed.get)
     others = [m for m in speed if m.startswith("adaptive_")]
-    return {"adaptive_vs_plain": speed["adaptive"] / speed["plain"],
-            "adaptive_vs_best_fixed": speed["adaptive"] / speed[best], "best_fixed": best,
-            **{f"{m}_vs_plain": speed[m] / speed["plain"] for m in fixed + others},
-            **{f"{m}_vs_best_fixed": speed[m] / speed[best] for m in others}}
+    out = {"adaptive_vs_plain": speed["adaptive"] / speed["plain"],
+           **{f"{m}_vs_plain": speed[m] / speed["plain"] for m in fixed + others}}
+    if fixed:                                 # --fixed with no k: adaptive modes against plain alone
+        best = max(fixed, key=speed.get)
+        out.update({"adaptive_vs_best_fixed": speed["adaptive"] / speed[best], "best_fixed": best,
+                    **{f"{m}_vs_best_fixed": speed[m] / speed[best] for m in others}})
+    return out
 
 
 def by_batch(records: list[dict]) -> dict[str, float]:
@@ -330,8 +334,9 @@ def plot(result: dict, png: Path) -> None:
     colours = {"plain": "grey", "adaptive": "tab:red"}
     ax0.bar(modes, walls, color=[colours.get(m, "salmon" if m.startswith("adaptive") else "tab:blue") for m in modes])
     ax0.set_ylabel("rollout wall clock, all rounds (s)")
-    ax0.set_title(f"adaptive {result['speedup']['adaptive_vs_plain']:.2f}x plain, "
-                  f"{result['speedup']['adaptive_vs_best_fixed']:.2f}x {result['speedup']['best_fixed']}")
+    sp = result["speedup"]
+    ax0.set_title(f"adaptive {sp['adaptive_vs_plain']:.2f}x plain"
+                  + (f", {sp['adaptive_vs_best_fixed']:.2f}x {sp['best_fixed']}" if "best_fixed" in sp else ""))
     ax0.tick_params(axis="x", rotation=30)
     for m in modes:
         steps = result["steps_last_round"][m]
@@ -402,8 +407,11 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", type=int, nargs="+", default=None, help="the bandit's arms (default: the policy's)")
     ap.add_argument("--threshold", type=int, default=None)
     ap.add_argument("--steps-per-pull", type=int, default=8)
-    ap.add_argument("--adaptive", nargs="+", default=None, metavar="VALUES:EXPLORE",
-                    help="sd.values:bandit.explore of each adaptive mode, the first is `adaptive` (default: the policy's)")
+    ap.add_argument("--adaptive", nargs="+", default=None, metavar="VALUES:EXPLORE[:START]",
+                    help="sd.values:bandit.explore[:bandit.start] of each adaptive mode, the first is `adaptive` "
+                         "(default: the policy's)")
+    ap.add_argument("--fixed", type=int, nargs="*", default=None, metavar="K",
+                    help="the fixed-k modes run beside plain and adaptive (default: every arm above 0; none: --fixed)")
     ap.add_argument("--prompts", default="auto", choices=("auto", "task", "chat"),
                     help="task: the task's problems; chat: tlt_verl.task.chat_longtail through the target's chat "
                          "template (auto: task for the task's targets, chat for a pretrained LM)")
@@ -425,9 +433,10 @@ def main(argv=None) -> None:
     args.arms = list(defaults.bandit.arms) if args.arms is None else args.arms
     args.adaptive = args.adaptive or [f"{defaults.values}:{defaults.bandit.explore}"]
     for spec in args.adaptive:
-        values, _, explore = spec.partition(":")
+        values, _, rest = spec.partition(":")
+        explore, _, start = rest.partition(":")
         try:
-            SDPolicyConfig(values=values, bandit={"explore": explore})
+            SDPolicyConfig(values=values, bandit={"explore": explore, **({"start": start} if start else {})})
         except (TypeError, ValueError) as e:
             ap.error(f"--adaptive {spec}: {e}")
     if args.phase_out:  # the child: the parent passes the target it resolved as --target
@@ -467,12 +476,15 @@ def main(argv=None) -> None:
     s = result["speedup"]
     same = all(v["identical_to_plain"] == v["requests"] for v in result["modes"].values())
     t = result["throughput_speedup"]
-    log(f"bench: adaptive {s['adaptive_vs_plain']:.2f}x plain, {s['adaptive_vs_best_fixed']:.2f}x the best fixed "
-        f"({s['best_fixed']}); decode throughput {t['adaptive_vs_plain']:.2f}x plain, {t['adaptive_vs_best_fixed']:.2f}x "
-        f"{t['best_fixed']}; T={args.temperature} outputs identical to plain: {same}; -> {out}")
+    def against(r: dict, m: str) -> str:
+        best = f", {r[f'{m}_vs_best_fixed']:.2f}x the best fixed ({r['best_fixed']})" if "best_fixed" in r else ""
+        return f"{r[f'{m}_vs_plain']:.2f}x plain{best}"
+
+    log(f"bench: adaptive {against(s, 'adaptive')}; decode throughput {against(t, 'adaptive')}; "
+        f"T={args.temperature} outputs identical to plain: {same}; -> {out}")
     for m in result["modes"]:
         if m.startswith("adaptive_"):
-            log(f"bench: {m} {s[f'{m}_vs_plain']:.2f}x plain, {s[f'{m}_vs_best_fixed']:.2f}x the best fixed")
+            log(f"bench: {m} {against(s, m)}; decode throughput {against(t, m)}")
     ph = result["phases_vs_plain"]["adaptive"]
     log("bench: adaptive over plain by phase (tokens/s): " + ", ".join(
         f"{p} {v['tokens_per_s']:.2f}x" for p, v in ph.items()) + f" (tail: running batch <= {args.tail_batch})")
