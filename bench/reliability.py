@@ -329,6 +329,7 @@ def resume_verdict(saved: dict, log_text: str, finished: bool) -> dict:
     out["resumed"] = bool(finished and ok and not out["lost_checkpoints"])
     return out
 
+
 def reference(work: Path, steps: int, overrides=()) -> tuple[float, float]:
     """An uninterrupted run: its length, and when its first step's metrics were in."""
     ray, log, run_dir = OwnRay(), work / "launcher.log", work / "run"
