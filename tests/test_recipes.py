@@ -1,5 +1,6 @@
 """Every recipe is a stock `verl.trainer.main_ppo` command line whose config composes under
 verl's Hydra schema and whose `tlt:` block passes TLT's start-up validation."""
+import json
 import os
 import re
 import subprocess
@@ -7,26 +8,55 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from _subproc import concurrently
 from tlt_verl.integration.config import TLTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_RECIPES = {"qwen2.5_7b_grpo_8gpu": 1, "qwen2.5_32b_grpo_multinode": 4}
 
 
-def _compose(recipe: str, cwd: Path, *overrides, **env) -> dict:
+# A `python` first on the recipe's PATH: the recipe's own shell logic (its defaults from the
+# environment, the caller's overrides) runs as written, and the command line it would exec is
+# written out instead of run; other python calls (the reward function's path) go to the real one.
+PYTHON_SHIM = """#!/usr/bin/env bash
+if [ "$1" = -m ] && [ "$2" = verl.trainer.main_ppo ]; then
+  shift 2
+  exec "{python}" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@"
+fi
+exec "{python}" "$@"
+"""
+
+# verl's main_ppo composes its config with Hydra (config "ppo_trainer" in verl/trainer/config),
+# which is what `main_ppo ... --cfg job` prints: the same composition of every recipe's command
+# line in one child, so that verl is imported once (about 11 s of a core each time).
+COMPOSE = """
+import json, os, sys
+import verl
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+jobs = json.load(open(sys.argv[1]))
+out = {}
+with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                           version_base=None):
+    for name, args in jobs.items():
+        try:
+            out[name] = OmegaConf.to_container(compose(config_name="ppo_trainer", overrides=args), resolve=False)
+        except Exception as e:
+            sys.exit(f"{name}: {type(e).__name__}: {e}")
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def _command_line(recipe: str, shim: Path, *overrides, **env) -> list[str]:
+    """The overrides `recipes/<recipe>.sh` passes to verl's main_ppo, under ``env``."""
     env = {**os.environ, "MODEL": "/models/m", "TRAIN": "/data/t.parquet", "VAL": "/data/v.parquet",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env}
-    cwd.mkdir()
-    out = subprocess.run(["bash", str(REPO / "recipes" / f"{recipe}.sh"), *overrides, "--cfg", "job"], cwd=cwd,
-                         env=env, capture_output=True, text=True, timeout=300)
+           "PATH": f"{shim}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env}
+    out = subprocess.run(["bash", str(REPO / "recipes" / f"{recipe}.sh"), *overrides], env=env,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    return yaml.safe_load(out.stdout)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# Each composition is a `verl.trainer.main_ppo --cfg job` run, whose cost is importing verl.
 COMPOSITIONS = {
     **{recipe: (recipe, (), {}) for recipe in GPU_RECIPES},
     "multinode_from_env": ("qwen2.5_32b_grpo_multinode", (), {"NNODES": "2", "DRAFTER": "/drafters/eagle"}),
@@ -40,8 +70,25 @@ COMPOSITIONS = {
 @pytest.fixture(scope="module")
 def composed(tmp_path_factory):
     root = tmp_path_factory.mktemp("recipes")
-    return concurrently({name: (lambda name=name, r=r, o=o, e=e: _compose(r, root / name, *o, **e))
-                         for name, (r, o, e) in COMPOSITIONS.items()})
+    shim = root / "bin"
+    shim.mkdir()
+    (shim / "python").write_text(PYTHON_SHIM.format(python=sys.executable))
+    (shim / "python").chmod(0o755)
+    jobs = {name: _command_line(r, shim, *o, **e) for name, (r, o, e) in COMPOSITIONS.items()}
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    out = subprocess.run([sys.executable, "-c", COMPOSE, str(root / "jobs.json"), str(root / "composed.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((root / "composed.json").read_text())
+
+
+def test_recipes_are_main_ppo_command_lines(tmp_path):
+    """Each recipe execs `python -m verl.trainer.main_ppo` with its overrides, and the caller's
+    arguments go last: what the compositions above stand for."""
+    for recipe in ("tiny_cpu_grpo", "tiny_gpu_grpo", *GPU_RECIPES):
+        text = (REPO / "recipes" / f"{recipe}.sh").read_text()
+        assert re.search(r"^exec python -m verl\.trainer\.main_ppo \\$", text, re.M), recipe
+        assert text.rstrip().endswith('"$@"'), recipe
 
 
 @pytest.mark.parametrize("recipe", sorted(GPU_RECIPES))
