@@ -32,6 +32,11 @@ ARMS = {
     "tlt": {"tlt": True},
     "tlt_frozen_drafter": {"tlt": True, "overrides": ["+tlt.spot.train_drafter=false"]},
     "tlt_adaptive": {"tlt": True, "overrides": ["+tlt.spot.train_drafter=true"]},
+    # Not a default arm: training on, the coordinator looking at the replicas as seldom as when it
+    # does not train (tlt.spot.observe_interval_s), to tell what its looks cost the rollout from
+    # what the training itself costs.
+    "tlt_adaptive_slow_poll": {"tlt": True, "overrides": ["+tlt.spot.train_drafter=true",
+                                                          "+tlt.spot.poll_interval_s=0.25"]},
     # Not a default arm: k=3 at every batch size (the bandit starts on its largest arm and, with no
     # exploration, never leaves it), to tell what the policy costs from what the engine can give.
     "tlt_fixed_k3": {"tlt": True, "overrides": ["+tlt.sd.bandit.arms=[2,3]", "+tlt.sd.bandit.epsilon=0",

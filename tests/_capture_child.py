@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 
 import numpy as np
 import torch
@@ -216,7 +217,9 @@ def main(model_dir: str, out_file: str):
     worker = build_worker(model_dir, remove_padding=True)
     hooks = hook_count(worker)
     buf = verl_capture.enable("eagle3", aux, BufferConfig(kind="eagle3", dtype="bfloat16"))
+    t0 = time.perf_counter()
     res["on"] = update(worker, for_update(batch_v1(seqs), seqs))
+    res["on_s"] = time.perf_counter() - t0
     res["hooks_on"], hooks.during = hooks.during, []
     res["hooks_after_on"] = hooks.count()
     res["v1"] = samples(buf)

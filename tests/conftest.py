@@ -72,10 +72,9 @@ def _asset_need(item) -> int:
 def _lowest_priority() -> None:
     # SCHED_IDLE: CPU time only when nothing else wants it. A nice-19 build still took enough from
     # the tests' own processes (verl's and Ray's run niced) to slow some modules by half.
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
+    from tlt_verl.utils.priority import idle_priority
+
+    idle_priority()
 
 
 def pytest_collection_finish(session):

@@ -25,6 +25,11 @@ def test_ratios_use_steps_five_to_last():
     assert c["step_time_ratio"] == pytest.approx(2.0)
     assert c["rollout_time_ratio"] == pytest.approx(4.0)
     assert c["drafter_critical_path_share"] == pytest.approx(0.02)
+    # What the drafter costs the actor's own process (capture, hand-overs) is on the path too.
+    for s in tlt:
+        s["tlt"]["host_s"] = 0.15
+    c_host = tlt_vs_baseline({"tlt": {"steps": tlt}, "baseline": {"steps": base}})
+    assert c_host["drafter_critical_path_share"] == pytest.approx(0.05)
     assert "step time 2.00x, rollout time 4.00x" in format_comparison(c)
     assert ratio(base, tlt, "step_s", first=1) == pytest.approx(430 / 19)
     assert c["rollout_phase_ratio"] == {}  # runs without request timelines have no phases

@@ -74,7 +74,12 @@ def test_the_child_trains_on_captured_samples_and_comes_back_from_a_sigkill(targ
         saved_version = proc.state_version
         ckpt = proc.save_checkpoint(tmp_path / "ckpt", global_step=1)
         assert ckpt.is_file()
-        assert proc.metrics()["tlt/drafter/buffer_samples"] == 12
+        m = proc.metrics()
+        assert m["tlt/drafter/buffer_samples"] == 12
+        # What the drafter cost this (the actor's) process: the staged samples' hand-over; no
+        # target written yet, nothing captured through the actor update's hooks.
+        assert m["tlt/drafter/host/stage_s"] > 0
+        assert m["tlt/drafter/host/target_handover_s"] == m["tlt/drafter/host/capture_s"] == 0
 
         # New target tensors arrive (verl's weight sync), then training resumes and is killed.
         from_dir = proc.target_digest()
@@ -82,6 +87,8 @@ def test_the_child_trains_on_captured_samples_and_comes_back_from_a_sigkill(targ
         proc.set_target_tensors(embed, embed)
         handed = tensor_digest(embed, embed)
         assert handed != from_dir and proc.target_digest() == handed
+        m = proc.metrics()                        # since the last read: the target's write only
+        assert m["tlt/drafter/host/target_handover_s"] > 0 and m["tlt/drafter/host/stage_s"] < 0.05
         session(proc, "s2")
         train_until(proc, saved_version + 3)
         dead = proc.pid

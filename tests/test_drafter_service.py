@@ -131,6 +131,15 @@ def _op_wait_idle(timeout_s):
     return None if svc.is_training else time.monotonic() - t0
 
 
+def _op_scheduling():
+    """Whether the session's training thread and this member's own thread (the one that answers
+    calls) run at idle priority, while the session runs."""
+    from tlt_verl.utils.priority import is_idle
+
+    stats = _svc()._stats
+    return {"scheduling": stats["scheduling"], "session_idle": is_idle(stats["thread_id"]), "caller_idle": is_idle(0)}
+
+
 def _op_stop(timeout_s):
     return _svc().stop(timeout_s)
 
@@ -322,6 +331,9 @@ def test_stop_while_training_is_prompt_and_leaves_members_identical(members, set
     for rank, m in enumerate(members):
         m(_op_start, "stop", rank, 2, HOST, port, 1)
     m0(_op_wait_version, 3)
+    # Training harvests idle cycles only: its thread yields the core to anything else, while the
+    # member still answers calls (this stop) at its own priority.
+    assert m0(_op_scheduling) == {"scheduling": "SCHED_IDLE", "session_idle": True, "caller_idle": False}
     t0 = time.perf_counter()
     st0 = m0(_op_stop, 10.0)
     rpc_s = time.perf_counter() - t0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -61,6 +62,7 @@ class CaptureStats:
     micro_batches: int = 0
     samples: int = 0
     skipped: int = 0          # no response token, or fewer than 2 tokens: nothing to train on
+    seconds: float = 0.0      # spent in collect(): what capture adds to the actor update
 
 
 class _Capture:
@@ -155,6 +157,13 @@ class CapturePass:
         """Add the samples of the forward that just ran on ``micro_batch``; returns how many."""
         if self._left is not None and self._left <= 0:
             return 0                     # a later epoch: captured already, and no hook ran
+        t0 = time.perf_counter()
+        try:
+            return self._collect(micro_batch, packed, gather)
+        finally:
+            self._state.stats.seconds += time.perf_counter() - t0
+
+    def _collect(self, micro_batch, packed: bool, gather) -> int:
         final, aux = self._hooks.take()
         lay = layout(micro_batch)
         if self._left is not None:

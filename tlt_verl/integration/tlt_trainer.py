@@ -209,6 +209,13 @@ class TLTTrainer(PPOTrainerSync):
         for key, value in freshest.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 out[key if key.startswith("tlt/") else f"tlt/drafter/{key}"] = float(value)
+        # What the drafter cost the actors' own processes this step (capture in the update, the
+        # hand-overs): the ranks pay it side by side, so the slowest rank's is the step's.
+        host = [{k: v for k, v in m.items() if k.startswith("tlt/drafter/host/")} for m in worker_metrics]
+        for key in set().union(*host):
+            out[key] = max(float(h.get(key, 0.0)) for h in host)
+        if host:
+            out["tlt/drafter/host_s"] = max(sum(map(float, h.values())) for h in host)
         # Drafter processes restarted after dying, all ranks, since the run (re)started.
         out["tlt/drafter/restarts"] = float(sum(m.get("tlt/drafter/restarts", 0.0) for m in worker_metrics))
         return out

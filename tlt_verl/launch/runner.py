@@ -84,7 +84,8 @@ def step_record(metrics: dict, window: Optional[timeline.RolloutWindow], replica
                       "acceptance_length": metrics.get("tlt/sd/acceptance_length", 0.0),
                       "harvested_s": metrics.get("tlt/spot/harvested_s", 0.0),
                       "drafter_steps": metrics.get("tlt/spot/train_steps", 0.0),
-                      "critical_path_s": metrics.get("tlt/drafter_critical_path_s", 0.0)}
+                      "critical_path_s": metrics.get("tlt/drafter_critical_path_s", 0.0),
+                      "host_s": metrics.get("tlt/drafter/host_s", 0.0)}
     if window is not None:
         rec["rollout_window_s"] = window.seconds
         rec["rollout_crowded_s"] = window.crowded_seconds()
@@ -101,7 +102,8 @@ def format_step(step: int, total: int, rec: dict) -> str:
     t = rec.get("tlt")
     if t:
         idle_s += (f" | SD {t['sd_share']:4.0%} acc {t['acceptance_length']:.2f} | drafter {t['harvested_s']:4.1f}s"
-                   f" harvested, {t['drafter_steps']:.0f} steps, {t['critical_path_s']:.2f}s on path")
+                   f" harvested, {t['drafter_steps']:.0f} steps, {t['critical_path_s']:.2f}s on path"
+                   f" + {t.get('host_s', 0.0):.2f}s in the actor")
     return (
         f"[step {step:>3}/{total}] step {rec['step_s']:6.1f}s | gen {rec['gen_s']:6.1f}s ({rec['rollout_share']:4.0%})"
         f" | resp len p50 {lens['p50']:4.0f} p90 {lens['p90']:4.0f} max {lens['max']:4.0f}"

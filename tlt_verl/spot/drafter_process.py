@@ -141,6 +141,11 @@ class DrafterProcess:
         self._session: Optional[tuple[str, int, int, int]] = None
         self.restarts = 0
         self._generation = 0                      # which child: a death is acted on once
+        # What this rank's drafter costs the actor's own process, since the last metrics(): the
+        # capture in the actor update, the staged states' hand-over to the child, the target's
+        # embedding and LM head written for it at a weight sync.
+        self._host_s = {"capture_s": 0.0, "stage_s": 0.0, "target_handover_s": 0.0}
+        self._captured_s = 0.0                    # verl_capture's running total at the last read
         self.pid, aux = self._spawn()
         self._ready.set()
         self.staging = StagingBuffer(cfg.buffer.budget_bytes)
@@ -238,8 +243,10 @@ class DrafterProcess:
             try:
                 # In messages of at most stage_message_bytes(): a message is pickled whole, so one
                 # step's states in one message would double them on the host for a moment.
+                t = time.perf_counter()
                 while staged := self.staging.take(stage_message_bytes(self.staging.budget_bytes)):
                     self._rpc("add_samples", staged)
+                self._host_s["stage_s"] += time.perf_counter() - t
                 return self._rpc(name, *args, **kwargs)
             except _Died as e:
                 self._restart(e)
@@ -295,15 +302,23 @@ class DrafterProcess:
         version at the end."""
         if self._target is None:
             raise RuntimeError("set_target_tensors: this rank's drafter does not train and holds no target tensors")
-        with self._target_lock:
-            self._call("hold_target")
+        # Timed: the hold, each write and the release, not the weight stream they wrap (verl's
+        # own sync) nor the staged states' hand-over that goes first (stage_s).
+        def timed(fn, *args):
+            t, staged = time.perf_counter(), self._host_s["stage_s"]
             try:
-                yield self._target.write_part
+                return fn(*args)
             finally:
-                self._target.commit()
+                self._host_s["target_handover_s"] += time.perf_counter() - t - (self._host_s["stage_s"] - staged)
+
+        with self._target_lock:
+            timed(self._call, "hold_target")
+            try:
+                yield lambda name, tensor: timed(self._target.write_part, name, tensor)
+            finally:
                 # A child restarted meanwhile mapped the segment as written so far; this release
                 # (retried on it) names the version it holds now.
-                self._call("release_target", self._target.version)
+                timed(lambda: (self._target.commit(), self._call("release_target", self._target.version)))
 
     @property
     def target_version(self) -> int:
@@ -339,9 +354,20 @@ class DrafterProcess:
         return self._call("export", str(out_dir), engine)
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
+        """The child's metrics, this host's restarts of it, and what the drafter cost the actor's
+        process since the last call (``host/*``: seconds of capture, hand-over and target writes)."""
+        from tlt_verl.capture import verl_capture
         from tlt_verl.spot.drafter_service import PREFIX
 
-        return {**self._call("metrics", reset), PREFIX + "restarts": float(self.restarts)}
+        out = {**self._call("metrics", reset), PREFIX + "restarts": float(self.restarts)}
+        stats = verl_capture.stats() if self.capture else None
+        if stats is not None:
+            self._host_s["capture_s"] += stats.seconds - self._captured_s
+            self._captured_s = stats.seconds
+        out.update({f"{PREFIX}host/{k}": v for k, v in self._host_s.items()})
+        if reset:
+            self._host_s = dict.fromkeys(self._host_s, 0.0)
+        return out
 
     def close(self, timeout_s: float = 30.0) -> None:
         from tlt_verl.capture import verl_capture

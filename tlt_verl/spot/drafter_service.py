@@ -50,6 +50,7 @@ from tlt_verl.drafter.export import LAYOUTS, export_drafter, load_drafter, read_
 from tlt_verl.drafter.reducer import BACKEND_OF_DEVICE, LocalReducer, SessionAborted, SpotSession
 from tlt_verl.drafter.target_weights import DTYPES, load_target_tensors, rollout_dtype
 from tlt_verl.drafter.trainer import DrafterTrainer, TrainerConfig
+from tlt_verl.utils.priority import idle_priority
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ def _session_stats(session_id: str, rank: int, size: int, source_rank: int) -> d
     return {"session_id": session_id, "rank": rank, "size": size, "source_rank": source_rank,
             "steps": 0, "tokens": 0, "seconds": 0.0, "last_loss": None, "stop_latency_s": None,
             "join_s": None, "broadcast_s": None, "idle_polls": 0, "discarded_micro_steps": 0,
-            "stopped": False, "aborted": None, "error": None}
+            "stopped": False, "aborted": None, "error": None, "scheduling": None, "thread_id": None}
 
 
 def _stand_ins(vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -437,6 +438,10 @@ class DrafterService:
 
     def _run_session(self, session_id, rank, size, host, port, source_rank, timeout_s) -> None:
         stats, session = self._stats, None
+        # Training harvests idle cycles only: this thread yields its core to anything else that
+        # wants it (the replicas still decoding, verl's agent loop); calls on the service (stop,
+        # metrics, a save) are answered by the caller's thread at its own priority.
+        stats.update(scheduling=idle_priority(), thread_id=threading.get_native_id())
         try:
             t0 = time.perf_counter()
             session = SpotSession.join(host, port, session_id, rank, size, timeout_s, abort=self._stop.is_set,
