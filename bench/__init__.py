@@ -50,10 +50,9 @@ def kv_cache_bytes(target: str | Path, seqs: int, model_len: int) -> int:
     requests and time the preemptions instead of the decoding."""
     import json
 
+    from tlt_verl.launch.memory_plan import ModelShape
     from tlt_verl.rollout.engine.server import DEFAULT_CPU_KV_CACHE_BYTES
 
-    cfg = json.loads((Path(target) / "config.json").read_text())
-    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = 2 * (cfg["num_hidden_layers"] + 1) * heads * head_dim * 4
+    shape = ModelShape.from_hf_config(json.loads((Path(target) / "config.json").read_text()))
+    per_token = shape.kv_bytes_per_token(4, extra_layers=1)
     return max(DEFAULT_CPU_KV_CACHE_BYTES, int(seqs * model_len * per_token * 1.2))

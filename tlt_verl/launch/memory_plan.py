@@ -42,10 +42,25 @@ class ModelShape:
     vocab: int
     tied: bool = False          # tie_word_embeddings
     qkv_bias: bool = True       # Qwen2 has biases on q, k and v (not o)
+    explicit_head_dim: int | None = None   # config.json's head_dim, where it is not hidden / heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, name: str = "") -> "ModelShape":
+        """The shape in a Hugging Face ``config.json`` (a dict)."""
+        heads = cfg["num_attention_heads"]
+        return cls(name or cfg.get("_name_or_path", ""), hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"],
+                   intermediate=cfg["intermediate_size"], heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
+                   vocab=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
+                   explicit_head_dim=cfg.get("head_dim"))
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.explicit_head_dim or self.hidden // self.heads
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1, extra_layers: int = 0) -> int:
+        """K and V of one token on one of ``tp`` shards, for the layers plus ``extra_layers`` (a
+        drafter's layer keeps its own KV)."""
+        return 2 * (self.layers + extra_layers) * max(1, self.kv_heads // tp) * self.head_dim * dtype_bytes
 
     @property
     def kv_dim(self) -> int:
@@ -441,7 +456,7 @@ def plan(recipe: Recipe, drafter: DrafterSpec = DrafterSpec(), assume: Assumptio
     fixed = assume.vllm_cuda_graphs + assume.vllm_non_torch
     kv = share - weights - vllm_acts - fixed
     kv_layers = m.layers + (1 if s.tlt else 0)            # the drafter's layer has its own KV
-    kv_per_token = 2 * kv_layers * max(1, m.kv_heads // s.tp) * m.head_dim * s.rollout_dtype_bytes
+    kv_per_token = m.kv_bytes_per_token(s.rollout_dtype_bytes, tp=s.tp, extra_layers=kv_layers - m.layers)
     kv_tokens = max(kv, 0) // kv_per_token
     asleep = fixed if s.free_cache_engine else share
     lines.append(Line("vLLM", asleep, share,
