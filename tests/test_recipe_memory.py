@@ -20,6 +20,19 @@ def test_parameter_counts_from_the_shapes_match_the_published_totals():
     assert 32.7e9 < mp.MODELS["Qwen2.5-32B"].params < 32.8e9         # 32.76B (HF: 32.8B)
 
 
+def test_a_shape_read_from_config_json_is_the_tables_own():
+    # Qwen2.5-7B's config.json (the fields the shape reads).
+    cfg = {"hidden_size": 3584, "num_hidden_layers": 28, "intermediate_size": 18944, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+    m = mp.ModelShape.from_hf_config(cfg, "Qwen2.5-7B")
+    assert m == mp.MODELS["Qwen2.5-7B"]
+    # 2 (K, V) x 28 layers x 4 KV heads x 128 x bf16; a drafter layer more; 4 KV heads over TP 8: one each.
+    assert m.kv_bytes_per_token(2) == 57344 and m.kv_bytes_per_token(2, extra_layers=1) == 59392
+    assert m.kv_bytes_per_token(2, tp=8) == 2 * 28 * 1 * 128 * 2
+    # A config that states head_dim (SmolLM3, Gemma) is read as stated.
+    assert mp.ModelShape.from_hf_config({**cfg, "head_dim": 64}).head_dim == 64
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_recipes_table_is_what_its_settings_give_and_fits(recipe):
     path = REPO / "recipes" / recipe
