@@ -243,10 +243,11 @@ class DrafterProcess:
             try:
                 # In messages of at most stage_message_bytes(): a message is pickled whole, so one
                 # step's states in one message would double them on the host for a moment.
-                t = time.perf_counter()
-                while staged := self.staging.take(stage_message_bytes(self.staging.budget_bytes)):
-                    self._rpc("add_samples", staged)
-                self._host_s["stage_s"] += time.perf_counter() - t
+                if len(self.staging):
+                    t = time.perf_counter()
+                    while staged := self.staging.take(stage_message_bytes(self.staging.budget_bytes)):
+                        self._rpc("add_samples", staged)
+                    self._host_s["stage_s"] += time.perf_counter() - t
                 return self._rpc(name, *args, **kwargs)
             except _Died as e:
                 self._restart(e)
