@@ -82,7 +82,7 @@ def composed(tmp_path_factory):
     return json.loads((root / "composed.json").read_text())
 
 
-def test_recipes_are_main_ppo_command_lines(tmp_path):
+def test_recipes_are_main_ppo_command_lines():
     """Each recipe execs `python -m verl.trainer.main_ppo` with its overrides, and the caller's
     arguments go last: what the compositions above stand for."""
     for recipe in ("tiny_cpu_grpo", "tiny_gpu_grpo", *GPU_RECIPES):

@@ -207,6 +207,8 @@ class TLTTrainer(PPOTrainerSync):
         # Ranks whose replicas never drained did not train: report the freshest drafter, the one pushed.
         freshest = worker_metrics[self.coordinator.freshest_worker()[0]] if worker_metrics else {}
         for key, value in freshest.items():
+            if key.startswith("tlt/drafter/host/"):
+                continue                           # every rank's, below
             if isinstance(value, (int, float)) and math.isfinite(value):
                 out[key if key.startswith("tlt/") else f"tlt/drafter/{key}"] = float(value)
         # What the drafter cost the actors' own processes this step (capture in the update, the
