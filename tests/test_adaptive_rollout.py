@@ -128,7 +128,7 @@ def test_bandit_config_errors_name_the_option():
         assert str(e.value).startswith(option) and "\n" not in str(e.value)
     with pytest.raises(ValueError) as e:
         BanditConfig(start="first")
-    assert str(e.value) == "bandit.start='first': one of ['each', 'largest']"
+    assert str(e.value) == "bandit.start='first': one of ['each', 'ends', 'largest']"
     with pytest.raises(ValueError) as e:
         BanditConfig(explore="all")
     assert str(e.value) == "bandit.explore='all': one of ['adjacent', 'uniform']"
@@ -265,6 +265,76 @@ def test_paired_values_price_smaller_arms_from_the_incumbents_drafts():
                                accepted_per_pos=(0, 0, 0), emitted=4, step_s=0.03, t=20.0)])
     pull(3, (4, 4, 4), 0.012, 40.0)
     assert policy.bandit.estimates(0)[3] == (3, pytest.approx((13 / 4 + 16 / 4 + 16 / 4) / 3 / 0.012))
+
+
+def _pull(policy, k, per_pos, step_s, t0, batch=4, steps=2):
+    """`steps` steady steps of arm k in the bucket of `batch` (the arm set as if the bandit chose it)."""
+    emitted = batch + sum(per_pos[:k])
+    policy._arm[policy.bandit.bucket_of(batch)] = k
+    policy.observe([StepMetric(batch=batch, k=k, prefill_reqs=0, drafted_reqs=batch if k else 0,
+                               draft_tokens=batch * k, accepted_per_pos=tuple(per_pos), emitted=emitted,
+                               step_s=step_s, t=t0 + i * step_s) for i in range(1, steps + 1)])
+
+
+def test_the_start_prices_every_arm_from_the_largest_k_and_k0():
+    """The default start plays the largest k, then k=0; the arms between are priced from those two
+    pulls (their tokens from the largest k's drafts, their costs on the line between), so a drafter
+    that accepts nothing costs no pull of k=1 or k=2, and a good one is used at once."""
+    cfg = SDPolicyConfig(threshold=8, steps_per_pull=2, bandit=BanditConfig(bucket_edges=(1,), seed=0))
+    for per_pos, best in (((0, 0, 0), 0), ((4, 3, 3), 3)):
+        policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=8)
+        assert policy.arm(0) == 3
+        _pull(policy, 3, per_pos, 0.020, 0.0)   # an SD step costs 2x a plain one
+        assert policy.arm(0) == 0             # the start's second arm, whatever k=3 earned
+        _pull(policy, 0, (0, 0, 0), 0.010, 0.05)
+        est = policy.bandit.estimates(0)
+        assert est[1][0] == est[2][0] == 0 and None not in [v for _, v in est.values()], est
+        # k=1 at 2^(1/3) x k=0's cost, emitting what k=3's drafts at position 0 say.
+        assert est[1][1] == pytest.approx((4 + per_pos[0]) / 4 / (0.010 * 2 ** (1 / 3)))
+        assert policy.bandit.best(0) == best
+    # Without a k=0 pull nothing prices the arms below the largest: they stay unvalued.
+    policy = AdaptiveSDPolicy(SDPolicyConfig(threshold=8, steps_per_pull=2,
+                                             bandit=BanditConfig(bucket_edges=(1,), start="largest")), max_k=3, max_batch=8)
+    _pull(policy, 3, (0, 0, 0), 0.020, 0.0)
+    assert [v is None for _, v in policy.bandit.estimates(0).values()] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("values", ["paired", "pull"])
+def test_a_pushed_drafter_is_measured_again_and_sd_comes_back(values):
+    """With a drafter that accepts nothing every bucket turns SD off; a different drafter pushed puts
+    every bucket on the largest k for one pull, and if its drafts are accepted SD stays on. The same
+    drafter pushed again (a resume) changes nothing; the drafter a state learned with is saved."""
+    cfg = SDPolicyConfig(threshold=8, steps_per_pull=2, values=values,
+                         bandit=BanditConfig(bucket_edges=(1, 4), seed=0, start="each"))
+    policy = AdaptiveSDPolicy(cfg, max_k=3, max_batch=8)
+    t = 0.0
+    for _ in range(12):  # k costs (1 + k/3) x a plain step; nothing is accepted
+        for batch in (2, 4):
+            k = policy.arm(policy.bandit.bucket_of(batch))
+            _pull(policy, k, (0, 0, 0), 0.010 * (1 + k / 3), t, batch=batch)
+            t += 0.05
+    assert [policy.bandit.best(b) for b in (0, 1)] == [0, 0]
+    assert policy.drafter_pushed("c" * 64) and [policy.arm(b) for b in (0, 1)] == [3, 3]
+    assert policy.drafter_pushed("c" * 64) is False
+    assert all(v is None for b in (0, 1) for k, (_, v) in policy.bandit.estimates(b).items() if k > 0)
+    assert all(policy.bandit.estimates(b)[0][1] is not None for b in (0, 1))  # k=0 keeps its value
+    saved = json.loads(json.dumps(policy.state_dict()))
+    assert saved["drafter"] == "c" * 64
+    for batch in (2, 4):  # the new drafter: 3 of 3 drafts accepted
+        _pull(policy, 3, (batch,) * 3, 0.020, t + 10, batch=batch)
+        # What k=3 emits is the new drafter's alone: 4 tokens a request-step, at 2x k=0's cost.
+        assert policy.bandit.estimates(policy.bandit.bucket_of(batch))[3][1] == pytest.approx(4 / 0.020)
+    t += 10.1
+    for _ in range(6):
+        for batch in (2, 4):
+            k = policy.arm(policy.bandit.bucket_of(batch))
+            _pull(policy, k, (batch,) * 3, 0.010 * (1 + k / 3), t, batch=batch)
+            t += 0.05
+    assert [policy.bandit.best(b) for b in (0, 1)] == [3, 3]
+    resumed = AdaptiveSDPolicy(cfg, max_k=3, max_batch=8)
+    resumed.load_state_dict(saved)
+    arms = [resumed.arm(b) for b in (0, 1)]
+    assert resumed.drafter_pushed("c" * 64) is False and [resumed.arm(b) for b in (0, 1)] == arms
 
 
 def test_paired_values_compare_costs_at_the_batch_sizes_both_pulls_ran():

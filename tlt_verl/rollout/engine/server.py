@@ -289,7 +289,10 @@ class VllmServer:
         self.check_awake("push a drafter", ("weights",))
         # A restore still loading the previous drafter would otherwise land after this push.
         await self._await_restore()
-        return await self._load_drafter(str(path))
+        sha = await self._load_drafter(str(path))
+        if self.sd_loop is not None and self.sd_loop.policy.drafter_pushed(sha):
+            await self.sd_loop.push_schedule()
+        return sha
 
     async def _load_drafter(self, path: str) -> str:
         """Load the drafter weights in `path` (validated first) and remember them as what is served."""

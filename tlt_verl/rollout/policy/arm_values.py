@@ -26,7 +26,10 @@ one, where exploration alone accounts for about 4). So the value of arm k is spl
   are the least-squares fit to those differences.
 
 An arm's value is A_k / C_k with every C taken at the latest pull's conditions (tokens per
-request-second, as the plain reward). Arms with no pull of their own have no cost and no value.
+request-second, as the plain reward). An arm with no pull of its own has no cost, and no value,
+unless it lies between two priced arms: then its log cost is interpolated between theirs (see
+`values`), so that after the bandit's start (the largest k, then k=0) every arm has a value and
+a drafter that accepts nothing costs no pull of the arms in between.
 Arms not linked to the latest pull by pairs (their pulls sat across rollout boundaries from it) keep
 a value at the conditions of their own group's latest pull: stale, but without it the first pull of
 a new rollout's tail, often an exploring one, was the bucket's only valued arm and so its greedy
@@ -108,19 +111,32 @@ def _within_pull_moments(steps: dict[int, tuple[int, float]]) -> tuple[float, fl
 
 class PullRewards:
     """sd.values=pull: each pull's own tokens per request-second is its arm's reward (BEG-MAB as
-    published), a running mean per arm kept by the bandit."""
+    published), a running mean per arm (exponential with `step_size`)."""
 
     def __init__(self, arms: tuple[int, ...], num_buckets: int, step_size: Optional[float] = None) -> None:
-        pass
+        self.arms = tuple(arms)
+        self.step_size = step_size
+        self._means = [[[0, 0.0] for _ in self.arms] for _ in range(num_buckets)]  # [n, mean reward]
 
     def learn(self, bandit: BucketedEpsilonGreedy, bucket: int, pull: Pull) -> None:
-        bandit.update(bucket, pull.arm, pull.tokens[-1] / pull.request_seconds)
+        cell = self._means[bucket][self.arms.index(pull.arm)]
+        cell[0] += 1
+        cell[1] = mean_step(cell[1], pull.tokens[-1] / pull.request_seconds, cell[0], self.step_size)
+        bandit.record(bucket, pull.arm, {k: v for k, (n, v) in zip(self.arms, self._means[bucket]) if n})
+
+    def forget_drafts(self, arms: tuple[int, ...]) -> None:
+        """A different drafter drafts for `arms` now: their rewards start over."""
+        for means in self._means:
+            for k in arms:
+                means[self.arms.index(k)] = [0, 0.0]
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return copy.deepcopy({"means": self._means})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        # States saved before this kept the means in the bandit's values (counts as their n).
+        if "means" in state:
+            self._means = [[[int(n), float(v)] for n, v in b] for b in state["means"]]
 
 
 class ArmValues:
@@ -205,16 +221,39 @@ class ArmValues:
         return sorted(pulled, key=lambda i: -self._latest[bucket][i][1])
 
     def values(self, bucket: int) -> dict[int, float]:
-        """{k: estimated tokens per request-second} for every pulled arm: the latest pull's arm and
-        those linked to it by pairs at the latest conditions, any other group at its own latest."""
-        out: dict[int, float] = {}
+        """{k: estimated tokens per request-second} for every arm with tokens and a cost: the latest
+        pull's arm and those linked to it by pairs at the latest conditions, any other group at its
+        own latest; an arm never pulled between two priced ones at an interpolated cost."""
+        log_cost: dict[int, float] = {}
         for anchor in self._anchors(bucket):
-            if self.arms[anchor] in out:
+            if anchor in log_cost:
                 continue
             base = self._latest[bucket][anchor][0]
-            for i, rel in self._log_costs(bucket, anchor).items():
-                out[self.arms[i]] = self._acc[bucket][i][1] / math.exp(base + rel)
-        return out
+            group = {i: base + rel for i, rel in self._log_costs(bucket, anchor).items()}
+            # An arm never pulled between two priced ones of the same group (the same conditions) is priced on the
+            # straight line of log cost against k between them. Its tokens are known from the larger
+            # arm's pulls, and its cost lies between theirs (one more draft verified a request per k;
+            # the drafter's forward is paid from k=1 on, so the line is low for the arm just above
+            # k=0, which makes it a greedy choice, and so pulled and priced, whenever its tokens
+            # could make it one).
+            priced = sorted(group)
+            for i in range(priced[0] + 1, priced[-1]):
+                if i not in group and self._latest[bucket][i] is None:  # never pulled
+                    lo = max(j for j in priced if j < i)
+                    hi = min(j for j in priced if j > i)
+                    f = (self.arms[i] - self.arms[lo]) / (self.arms[hi] - self.arms[lo])
+                    group[i] = group[lo] + f * (group[hi] - group[lo])
+            for i, c in group.items():
+                log_cost.setdefault(i, c)
+        return {self.arms[i]: self._acc[bucket][i][1] / math.exp(c) for i, c in log_cost.items()
+                if self._acc[bucket][i][0] > 0}
+
+    def forget_drafts(self, arms: tuple[int, ...]) -> None:
+        """A different drafter drafts for `arms` now: the tokens they emit start over; their step
+        costs, the engine's and not the drafter's weights', are kept."""
+        for acc in self._acc:
+            for k in arms:
+                acc[self.arms.index(k)] = [0, 0.0]
 
     def state_dict(self) -> dict[str, Any]:
         """A copy: the policy keeps learning after a checkpoint takes it."""

@@ -37,8 +37,15 @@ def _start_each(arms: tuple[int, ...], counts: list[int]) -> Optional[int]:
     return arms[counts.index(0)] if 0 in counts else None
 
 
+def _start_ends(arms: tuple[int, ...], counts: list[int]) -> Optional[int]:
+    for i in (arms.index(max(arms)), arms.index(min(arms))):
+        if counts[i] == 0:
+            return arms[i]
+    return None
+
+
 # bandit.start -> the arm a bucket must play before epsilon-greedy takes over (None: none left).
-STARTS = {"largest": _start_largest, "each": _start_each}
+STARTS = {"largest": _start_largest, "each": _start_each, "ends": _start_ends}
 
 
 def _explore_uniform(arms: tuple[int, ...], greedy: int, valued: list[bool], u: float) -> int:
@@ -73,12 +80,16 @@ class BanditConfig:
     # weight, for when the drafter is retrained during the run and old rewards go stale.
     step_size: Optional[float] = None
     seed: int = 0
-    # How a bucket with no estimate yet starts: "largest", on the largest k, meeting the other arms
-    # through exploration; "each", every arm once in the order listed before any greedy choice.
-    # Trying each arm first spends every bucket's first pulls on the cheap-k arms (k=0, 1 and 2, a
-    # pull of steps_per_pull steps each), in the first RL step, where the batch is largest and most
-    # tokens are decoded; below the threshold SD is expected to pay, so the largest k is the prior.
-    start: str = "largest"
+    # How a bucket with no estimate yet starts: "ends", the largest k and then the smallest (k=0)
+    # before any greedy choice; "largest", the largest k alone, meeting the other arms through
+    # exploration; "each", every arm once in the order listed.
+    # One pull of the largest k says what every smaller k would have emitted (its accepted drafts
+    # per position), and one of k=0 prices SD off, so after the two the paired values price the arms
+    # between by interpolation (arm_values.py) and no pull is spent on them. "largest" alone reached
+    # k=0 only by exploration: with a drafter that accepts nothing the first rollout ran on losing SD
+    # (toy 0.68x plain over 3 rounds, real LM 0.70x; bench/results/longtail_never_lose_toy.json,
+    # longtail_rollout_real_start.json); "each" pays a pull of every losing arm in every bucket.
+    start: str = "ends"
     # What an exploring pull plays: "uniform", any arm (BEG-MAB as published); "adjacent", an arm next
     # to the greedy one in `arms` (ascending), and the first arm (k=0) until it has a value. From
     # k=1 up, each k adds one verified token a request to a step, and tokens per step grow less with
@@ -182,6 +193,13 @@ class BucketedEpsilonGreedy:
         self._counts[bucket][i] += 1
         self._values[bucket][i] = mean_step(self._values[bucket][i] or 0.0, float(reward), self._counts[bucket][i],
                                             self.config.step_size)
+
+    def forget(self, arms: tuple[int, ...]) -> None:
+        """`arms` lose their values in every bucket (a different drafter now drafts for them);
+        pull counts stay, as what was played."""
+        for values in self._values:
+            for k in arms:
+                values[self._index(k)] = None
 
     def record(self, bucket: int, arm: int, values: dict[int, float]) -> None:
         """A pull of `arm` ended and an estimator revalued the bucket: `values` replaces every

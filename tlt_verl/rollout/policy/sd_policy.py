@@ -107,6 +107,7 @@ class AdaptiveSDPolicy:
         self._acc: list[Optional[_PullSoFar]] = [None] * n  # the current pull's steps, per bucket
         # Per bucket: [end of its latest pull, per arm index the seconds of its latest steps].
         self._recent: list[Optional[list]] = [None] * n
+        self._drafter: Optional[str] = None  # sha256 of the drafter pushed last (None: the one started with)
 
     def arm(self, bucket: int) -> int:
         return self._arm[bucket]
@@ -144,6 +145,28 @@ class AdaptiveSDPolicy:
                 self._acc[b] = None
         return changed
 
+    def drafter_pushed(self, sha256: str) -> bool:
+        """The engine now serves drafter `sha256`; True when the arms changed (push `schedule()`).
+
+        What an SD arm emits is the drafter's: a different drafter's tokens are measured again, by
+        one pull of the largest k in every bucket (it says what every smaller k emits), while the
+        step costs are kept. Without it a bucket that had turned SD off for a poor drafter would
+        meet the better one only through an exploring pull of k=1 (on the toy it never came back:
+        bench/results/longtail_never_lose_toy.json). The same drafter pushed again (a resume pushes
+        the one its saved state learned with) changes nothing."""
+        if sha256 == self._drafter:
+            return False
+        self._drafter = sha256
+        drafted = tuple(k for k in self.config.bandit.arms if k > 0)
+        self.values.forget_drafts(drafted)
+        self.bandit.forget(drafted)
+        before = list(self._arm)
+        # Not a bandit selection: the bucket's pull in progress (the old drafter's) is dropped and
+        # this one replaces it, as a restart of that pull would.
+        self._arm = [max(self.config.bandit.arms)] * self.config.bandit.num_buckets
+        self._acc = [None] * self.config.bandit.num_buckets
+        return self._arm != before
+
     def _reference(self, bucket: int, acc: "_PullSoFar") -> list[float]:
         """The step seconds the pull's outlier rule takes its median over: the pull's own, topped up
         to REFERENCE_STEPS with its arm's latest steps in the bucket from earlier pulls of this
@@ -165,7 +188,7 @@ class AdaptiveSDPolicy:
                            "values": self.config.values, "bandit": asdict(self.config.bandit)},
                 "bandit": self.bandit.state_dict(), "values": self.values.state_dict(), "arms": list(self._arm),
                 "acc": [None if a is None else asdict(a) for a in self._acc],
-                "recent": copy.deepcopy(self._recent)}
+                "recent": copy.deepcopy(self._recent), "drafter": self._drafter}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = copy.deepcopy(state)  # the policy learns on in place; the caller's state stays as saved
@@ -185,6 +208,7 @@ class AdaptiveSDPolicy:
         self._acc = [_PullSoFar(**a) if isinstance(a, Mapping) and set(a) == keys else None for a in state["acc"]]
         # States saved before the outlier rule looked across pulls: each bucket's reference starts empty.
         self._recent = state.get("recent") or [None] * self.config.bandit.num_buckets
+        self._drafter = state.get("drafter")
 
 
 # A step slower than this many times its arm's median step (the pull's; see REFERENCE_STEPS) is
