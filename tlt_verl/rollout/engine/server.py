@@ -137,6 +137,9 @@ class VllmServer:
 
             policy = AdaptiveSDPolicy(self.sd_config.policy, max_k=self.sd_config.max_k,
                                       max_batch=self.config.max_num_seqs)
+            # The policy knows the drafter it starts with, so that pushing the same one (a resume of
+            # a run whose drafter did not train) leaves what it learned alone.
+            policy.drafter_pushed((await self.engine.collective_rpc("tlt_weights_checksum", args=("drafter",)))[0])
             self.sd_loop = AdaptiveSDLoop(self.engine, policy, self.sd_config.poll_interval_s)
             await self.sd_loop.push_schedule()
 
