@@ -90,16 +90,30 @@ def test_adjacent_exploration_plays_the_greedy_arms_neighbours():
     for explore, greedy, expect in (("adjacent", 3, {2, 3}), ("adjacent", 1, {0, 1, 2}), ("uniform", 3, {0, 1, 2, 3})):
         r = dict(rewards) if greedy == 3 else {**rewards, 1: 2.0}
         bandit = BucketedEpsilonGreedy(BanditConfig(seed=5, epsilon=0.5, min_epsilon=0.5, epsilon_decay=1.0,
-                                                    explore=explore, start="each"))
+                                                    explore=explore, start="each", explore_floor=0.0))
         picks = _play(bandit, r, 400)
         assert bandit.best(0) == greedy
         assert set(picks[4:]) == expect, (explore, sorted(set(picks[4:])))
     # k=0 is no neighbour of k=3, but is explored until it has a value: once here, as k=1 never is.
-    bandit = BucketedEpsilonGreedy(BanditConfig(seed=5, epsilon=0.5, min_epsilon=0.5, epsilon_decay=1.0))
+    bandit = BucketedEpsilonGreedy(BanditConfig(seed=5, epsilon=0.5, min_epsilon=0.5, epsilon_decay=1.0,
+                                                start="largest", explore_floor=0.0))
     picks = _play(bandit, rewards, 400)
     assert picks.count(0) == 1 and picks.count(1) == 0 and picks.count(2) > 50, picks
     with pytest.raises(ValueError, match="ascending"):
         BanditConfig(arms=(3, 0, 1))
+
+
+def test_exploration_skips_arms_valued_far_below_the_greedy_one():
+    """With k=0 greedy and k=1 worth 0.6 of it, an exploring pull plays k=0 (the random stream
+    drawn all the same); with k=1 worth 0.9 of it, or with the floor at 0, it plays k=1."""
+    for worth, floor, explored in ((0.6, 0.8, False), (0.9, 0.8, True), (0.6, 0.0, True)):
+        bandit = BucketedEpsilonGreedy(BanditConfig(seed=5, epsilon=0.5, min_epsilon=0.5, epsilon_decay=1.0,
+                                                    explore_floor=floor))
+        picks = _play(bandit, {0: 1.0, 1: worth, 2: worth * 0.9, 3: worth * 0.8}, 300)
+        assert bandit.best(0) == 0
+        assert (picks[2:].count(1) > 30) is explored, (worth, floor, picks[2:].count(1))
+    with pytest.raises(ValueError, match="bandit.explore_floor"):
+        BanditConfig(explore_floor=1.5)
 
 
 def test_bandit_state_restore_continues_identically():

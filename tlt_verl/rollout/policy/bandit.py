@@ -98,6 +98,14 @@ class BanditConfig:
     # the tail's speed for a pull, exploring k=2 a tenth here. k=0 also drops the drafter's forward,
     # so its value can stand above a peak among the others; it is valued once on its own.
     explore: str = "adjacent"
+    # An exploring pull of an arm valued below this share of the greedy arm's value plays the
+    # greedy arm instead (0: every exploring pull is played). Such an arm would have to be
+    # underestimated by over a fifth to be the better one; what moves a value that far is a new
+    # drafter, which is measured anyway (AdaptiveSDPolicy.drafter_pushed). Without it a bucket that
+    # had found SD off for a drafter that accepts nothing still spent its exploring pulls (5% at
+    # least) on SD steps of twice the cost (toy: 0.77x plain over 3 rounds,
+    # bench/results/longtail_never_lose_toy.json in git history at this change).
+    explore_floor: float = 0.8
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_edges", tuple(int(e) for e in self.bucket_edges))
@@ -120,6 +128,8 @@ class BanditConfig:
             raise ValueError(f"bandit.step_size={self.step_size}: must be None or in (0, 1]")
         if self.start not in STARTS:
             raise ValueError(f"bandit.start={self.start!r}: one of {sorted(STARTS)}")
+        if not 0.0 <= self.explore_floor <= 1.0:
+            raise ValueError(f"bandit.explore_floor={self.explore_floor}: must be in [0, 1]")
         if self.explore not in EXPLORES:
             raise ValueError(f"bandit.explore={self.explore!r}: one of {sorted(EXPLORES)}")
         if self.explore == "adjacent" and list(arms) != sorted(arms):
@@ -169,8 +179,12 @@ class BucketedEpsilonGreedy:
         greedy = self.best(bucket)
         if not explore:
             return greedy
-        valued = [v is not None for v in self._values[bucket]]
-        return EXPLORES[self.config.explore](self.config.arms, greedy, valued, u)
+        values = self._values[bucket]
+        arm = EXPLORES[self.config.explore](self.config.arms, greedy, [v is not None for v in values], u)
+        value, best = values[self._index(arm)], values[self._index(greedy)]
+        if value is not None and best is not None and value < self.config.explore_floor * best:
+            return greedy
+        return arm
 
     def best(self, bucket: int) -> int:
         """The greedy arm among those with a value; ties go to the arm listed first (cheaper k first in the default)."""
