@@ -173,9 +173,8 @@ async def run_engines(args) -> dict:
 
                 sha = await push_drafter_async(sd, DrafterManifest.from_folder(served),
                                                Path(args.drafter) / "model.safetensors")
-                for m, policy in adaptive.items():  # as the rollout server tells its policy
-                    if policy.drafter_pushed(sha):
-                        await loops[m].push_schedule()
+                for policy in adaptive.values():  # as the rollout server tells its policy; each
+                    policy.drafter_pushed(sha)      # loop pushes its schedule when its rollout starts
                 pushed = {"after_round": rnd - 1, "sha256": sha}
                 log(f"pushed {args.drafter} into the SD engine (sha256 {sha[:12]})")
             prompts = round_prompts(args.target, args.num_prompts, rnd, args.prompts)

@@ -111,32 +111,22 @@ def _within_pull_moments(steps: dict[int, tuple[int, float]]) -> tuple[float, fl
 
 class PullRewards:
     """sd.values=pull: each pull's own tokens per request-second is its arm's reward (BEG-MAB as
-    published), a running mean per arm (exponential with `step_size`)."""
+    published), a running mean per arm kept by the bandit (which also forgets it, `bandit.forget`)."""
 
     def __init__(self, arms: tuple[int, ...], num_buckets: int, step_size: Optional[float] = None) -> None:
-        self.arms = tuple(arms)
-        self.step_size = step_size
-        self._means = [[[0, 0.0] for _ in self.arms] for _ in range(num_buckets)]  # [n, mean reward]
+        pass
 
     def learn(self, bandit: BucketedEpsilonGreedy, bucket: int, pull: Pull) -> None:
-        cell = self._means[bucket][self.arms.index(pull.arm)]
-        cell[0] += 1
-        cell[1] = mean_step(cell[1], pull.tokens[-1] / pull.request_seconds, cell[0], self.step_size)
-        bandit.record(bucket, pull.arm, {k: v for k, (n, v) in zip(self.arms, self._means[bucket]) if n})
+        bandit.update(bucket, pull.arm, pull.tokens[-1] / pull.request_seconds)
 
     def forget_drafts(self, arms: tuple[int, ...]) -> None:
-        """A different drafter drafts for `arms` now: their rewards start over."""
-        for means in self._means:
-            for k in arms:
-                means[self.arms.index(k)] = [0, 0.0]
+        pass
 
     def state_dict(self) -> dict[str, Any]:
-        return copy.deepcopy({"means": self._means})
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # States saved before this kept the means in the bandit's values (counts as their n).
-        if "means" in state:
-            self._means = [[[int(n), float(v)] for n, v in b] for b in state["means"]]
+        pass
 
 
 class ArmValues:
@@ -230,12 +220,12 @@ class ArmValues:
                 continue
             base = self._latest[bucket][anchor][0]
             group = {i: base + rel for i, rel in self._log_costs(bucket, anchor).items()}
-            # An arm never pulled between two priced ones of the same group (the same conditions) is priced on the
-            # straight line of log cost against k between them. Its tokens are known from the larger
-            # arm's pulls, and its cost lies between theirs (one more draft verified a request per k;
-            # the drafter's forward is paid from k=1 on, so the line is low for the arm just above
-            # k=0, which makes it a greedy choice, and so pulled and priced, whenever its tokens
-            # could make it one).
+            # An arm never pulled between two priced ones of the same group (the same conditions) is
+            # priced on the straight line of log cost against k between them. Its tokens are known
+            # from the larger arm's pulls, and its cost lies between theirs (one more draft verified
+            # a request per k; the drafter's forward is paid from k=1 on, so the line is low for the
+            # arm just above k=0, which makes it a greedy choice, and so pulled and priced, whenever
+            # its tokens could make it one).
             priced = sorted(group)
             for i in range(priced[0] + 1, priced[-1]):
                 if i not in group and self._latest[bucket][i] is None:  # never pulled

@@ -152,6 +152,7 @@ class BucketedEpsilonGreedy:
         n, m = config.num_buckets, len(config.arms)
         self._counts = [[0] * m for _ in range(n)]
         self._values: list[list[Optional[float]]] = [[None] * m for _ in range(n)]  # None: no value yet
+        self._n = [[0] * m for _ in range(n)]  # rewards in each value (`update`): counts since its `forget`
         self._pulls = [0] * n
         self._rng = random.Random(config.seed)
 
@@ -205,15 +206,16 @@ class BucketedEpsilonGreedy:
         """A pull of `arm` earned `reward`: its value moves toward it (running or exponential mean)."""
         i = self._index(arm)
         self._counts[bucket][i] += 1
-        self._values[bucket][i] = mean_step(self._values[bucket][i] or 0.0, float(reward), self._counts[bucket][i],
+        self._n[bucket][i] += 1
+        self._values[bucket][i] = mean_step(self._values[bucket][i] or 0.0, float(reward), self._n[bucket][i],
                                             self.config.step_size)
 
     def forget(self, arms: tuple[int, ...]) -> None:
         """`arms` lose their values in every bucket (a different drafter now drafts for them);
         pull counts stay, as what was played."""
-        for values in self._values:
+        for values, n in zip(self._values, self._n):
             for k in arms:
-                values[self._index(k)] = None
+                values[self._index(k)], n[self._index(k)] = None, 0
 
     def record(self, bucket: int, arm: int, values: dict[int, float]) -> None:
         """A pull of `arm` ended and an estimator revalued the bucket: `values` replaces every
@@ -232,7 +234,7 @@ class BucketedEpsilonGreedy:
         version, internal, gauss = self._rng.getstate()
         config = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.config).items()}
         return {"config": config, "counts": [list(c) for c in self._counts],
-                "values": [list(v) for v in self._values], "pulls": list(self._pulls),
+                "values": [list(v) for v in self._values], "n": [list(x) for x in self._n], "pulls": list(self._pulls),
                 "rng": [version, list(internal), gauss]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -243,6 +245,8 @@ class BucketedEpsilonGreedy:
                                  f"{key}={list(getattr(self.config, key))}")
         self._counts = [list(map(int, c)) for c in state["counts"]]
         self._values = [[None if x is None else float(x) for x in v] for v in state["values"]]
+        # States saved before `forget` existed: every value holds all of its arm's rewards.
+        self._n = [list(map(int, x)) for x in state.get("n") or self._counts]
         self._pulls = list(map(int, state["pulls"]))
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
