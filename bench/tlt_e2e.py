@@ -39,6 +39,10 @@ ARMS = {
                                                           "+tlt.spot.poll_interval_s=0.25"]},
     # Not a default arm: k=3 at every batch size (the bandit starts on its largest arm and, with no
     # exploration, never leaves it), to tell what the policy costs from what the engine can give.
+    # Not a default arm: the SD policy's start before 2026-12-07 (every bucket on its largest k
+    # first, every exploring pull played), to check that the newer start does not cost the run.
+    "tlt_start_largest": {"tlt": True, "overrides": ["+tlt.sd.bandit.start=largest",
+                                                     "+tlt.sd.bandit.explore_floor=0.0"]},
     "tlt_fixed_k3": {"tlt": True, "overrides": ["+tlt.sd.bandit.arms=[2,3]", "+tlt.sd.bandit.epsilon=0",
                                                 "+tlt.sd.bandit.min_epsilon=0"]},
 }

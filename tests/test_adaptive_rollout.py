@@ -116,6 +116,24 @@ def test_exploration_skips_arms_valued_far_below_the_greedy_one():
         BanditConfig(explore_floor=1.5)
 
 
+def test_the_floor_holds_an_arm_back_only_after_its_second_pull():
+    """k=1 valued at 0.6 of the greedy k=0 after one pull is explored once more; once its second
+    pull says the same, exploring pulls play k=0 (one cold or neighbour-priced pull cannot shut an
+    arm out for good)."""
+    bandit = BucketedEpsilonGreedy(BanditConfig(seed=5, epsilon=0.5, min_epsilon=0.5, epsilon_decay=1.0,
+                                                start="each"))
+    for k, value in {0: 1.0, 1: 0.6, 2: 0.5, 3: 0.4}.items():
+        bandit.update(0, k, value)
+    picks = []
+    for _ in range(300):
+        arm = bandit.select(0)
+        picks.append(arm)
+        bandit.update(0, arm, {0: 1.0, 1: 0.6, 2: 0.5, 3: 0.4}[arm])
+    assert picks.count(1) == 1, picks.count(1)
+    assert bandit.estimates(0)[1] == (2, 0.6)
+    assert set(picks) == {0, 1}  # adjacent exploration from k=0 reaches only k=1
+
+
 def test_bandit_state_restore_continues_identically():
     rewards = {0: 1.0, 1: 1.2, 2: 1.25, 3: 0.9}
     ref = BucketedEpsilonGreedy(BanditConfig(seed=3))

@@ -63,6 +63,13 @@ def _explore_adjacent(arms: tuple[int, ...], greedy: int, valued: list[bool], u:
 # bandit.explore -> the arm an exploring pull plays, given the greedy arm, which arms have a value
 # and a uniform draw in [0, 1).
 EXPLORES = {"uniform": _explore_uniform, "adjacent": _explore_adjacent}
+# An arm is held to bandit.explore_floor once it has been pulled this often: one pull can be far
+# off. A bucket's first pull of an arm often runs on shapes the engine has not met yet, and an arm
+# never pulled is valued from its neighbours (arm_values.py). In 14-step TLT runs on the toy with
+# the floor applied from the first pull, one replica's batch-8-32 bucket priced k=3 once, cold,
+# and then played k=1 in 72 of 75 pulls, never exploring k=2 or k=3 again (rollout 1.41x faster
+# than stock verl, against 1.60x without the floor; bench/results/tlt_e2e_policy_floor.json).
+FLOOR_MIN_PULLS = 2
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,8 @@ class BanditConfig:
     # drafter, which is measured anyway (AdaptiveSDPolicy.drafter_pushed). Without it a bucket that
     # had found SD off for a drafter that accepts nothing still spent its exploring pulls (5% at
     # least) on SD steps of twice the cost (toy: 0.77x plain over 3 rounds,
-    # bench/results/longtail_never_lose_toy.json in git history at this change).
+    # bench/results/longtail_never_lose_toy.json in git history at this change). Only arms pulled
+    # FLOOR_MIN_PULLS times are held to it.
     explore_floor: float = 0.8
 
     def __post_init__(self) -> None:
@@ -182,8 +190,10 @@ class BucketedEpsilonGreedy:
             return greedy
         values = self._values[bucket]
         arm = EXPLORES[self.config.explore](self.config.arms, greedy, [v is not None for v in values], u)
-        value, best = values[self._index(arm)], values[self._index(greedy)]
-        if value is not None and best is not None and value < self.config.explore_floor * best:
+        i = self._index(arm)
+        value, best = values[i], values[self._index(greedy)]
+        if (counts[i] >= FLOOR_MIN_PULLS and value is not None and best is not None
+                and value < self.config.explore_floor * best):
             return greedy
         return arm
 
