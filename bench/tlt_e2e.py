@@ -37,12 +37,12 @@ ARMS = {
     # what the training itself costs.
     "tlt_adaptive_slow_poll": {"tlt": True, "overrides": ["+tlt.spot.train_drafter=true",
                                                           "+tlt.spot.poll_interval_s=0.25"]},
-    # Not a default arm: k=3 at every batch size (the bandit starts on its largest arm and, with no
-    # exploration, never leaves it), to tell what the policy costs from what the engine can give.
     # Not a default arm: the SD policy's start before 2026-12-07 (every bucket on its largest k
     # first, every exploring pull played), to check that the newer start does not cost the run.
     "tlt_start_largest": {"tlt": True, "overrides": ["+tlt.sd.bandit.start=largest",
                                                      "+tlt.sd.bandit.explore_floor=0.0"]},
+    # Not a default arm: k=3 at every batch size (the bandit starts on its largest arm and, with no
+    # exploration, never leaves it), to tell what the policy costs from what the engine can give.
     "tlt_fixed_k3": {"tlt": True, "overrides": ["+tlt.sd.bandit.arms=[2,3]", "+tlt.sd.bandit.epsilon=0",
                                                 "+tlt.sd.bandit.min_epsilon=0"]},
 }
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
                    help="tlt.drafter.init of both TLT arms: warm (the cached offline-trained drafter), scratch, or a folder")
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated subset of {','.join(ARMS)} "
                    "(on a GPU, where tlt trains its drafter, tlt_adaptive repeats it; tlt_fixed_k3 plays k=3 "
-                   "at every batch size)")
+                   "at every batch size; tlt_start_largest is the SD policy of before 2026-12-07)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "tlt_e2e.json"))
     p.add_argument("--repeats", type=int, default=2, help="runs of every arm, in alternating order")
     p.add_argument("--run-dir", default=None, help="where the runs go (default: runs/tlt_e2e-<time>)")
