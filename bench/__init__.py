@@ -11,13 +11,20 @@ REPO = Path(__file__).resolve().parents[1]
 SCRATCH_KEYS = ("work", "run_dir", "phase_out", "phase", "spec", "out")
 
 
+# Where benches keep scratch folders inside the repo (ignored by git): a path there names nothing
+# another machine has.
+SCRATCH_DIR = REPO / ".cache" / "tlt" / "work"
+
+
 def portable(value: Any) -> Any:
     """A path as the result file should record it: repo-relative, or a model folder by name and
-    weights checksum, never this machine's absolute path."""
-    if not isinstance(value, (str, Path)) or not os.path.isabs(str(value)):
+    weights checksum, never this machine's absolute path or scratch folder."""
+    if not isinstance(value, (str, Path)) or not str(value):
         return value
-    p = Path(value).resolve()
-    if p.is_relative_to(REPO):
+    if not os.path.isabs(str(value)) and not (REPO / str(value)).exists():
+        return value  # not a path here (a name, a list of sizes)
+    p = (REPO / str(value)).resolve()
+    if p.is_relative_to(REPO) and not p.is_relative_to(SCRATCH_DIR):
         return str(p.relative_to(REPO))
     weights = p / "model.safetensors"
     if weights.is_file():
